@@ -1,0 +1,367 @@
+"""The command line. The only place that turns errors into exit codes and text."""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import sys
+import time
+import traceback
+
+import click
+
+from . import __version__
+from .errors import FusectlError, PlanError
+from .execute import write_table
+from .io.checkpoint import Checkpoint, open_checkpoint
+from .io.output import parse_size
+from .io.provenance import plan_to_json
+from .plan import Plan, make_plan, replay_plan
+from .rules.inverse import invert_ruleset
+from .rules.presets import load_rules_arg, preset_description, preset_names, preset_text
+from .rules.schema import RuleSet
+from .table import ParamTable
+from .ties import declare_ties, detect_ties
+
+EXIT_DIFFERENT = 1
+EXIT_BAD_INPUT = 2
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised so that temporary output is removed like on any other failure."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+class FusectlGroup(click.Group):
+    """Maps domain errors to ``error: ...`` on stderr and exit code 2, without a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return super().invoke(ctx)
+        except FusectlError as e:
+            _fail(ctx, str(e))
+        except _Terminated:
+            _fail(ctx, "terminated; no output was written", code=143)
+        except KeyboardInterrupt:
+            _fail(ctx, "interrupted; no output was written", code=130)
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            _fail(ctx, f"{where}{e.strerror or e}; check the path, permissions and free space")
+        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+            raise
+        except Exception as e:  # a bug in fusectl, still no traceback unless asked
+            _fail(ctx, f"internal error: {type(e).__name__}: {e}; rerun with --debug and report it")
+
+
+def _fail(ctx: click.Context, message: str, code: int = EXIT_BAD_INPUT):
+    if _debug(ctx):
+        traceback.print_exc()
+    click.echo(f"error: {message}", err=True)
+    ctx.exit(code)
+
+
+def _debug(ctx: click.Context) -> bool:
+    return bool(ctx.find_root().meta.get("fusectl.debug"))
+
+
+def _set_debug(ctx, param, value):
+    if value:
+        ctx.find_root().meta["fusectl.debug"] = True
+    return value
+
+
+debug_option = click.option(
+    "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+    help="Show a Python traceback on errors.",
+)
+
+
+def command(group, name, **kwargs):
+    """A subcommand with --debug."""
+    def wrap(fn):
+        return group.command(name, **kwargs)(debug_option(fn))
+    return wrap
+
+
+@click.group(cls=FusectlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="fusectl")
+@debug_option
+def main():
+    """Re-lay out model checkpoints with declarative rules; keep tied weights tied.
+
+    \b
+    Example:
+      fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
+      fusectl unfuse fused/ -o restored/
+    """
+
+
+def _emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+def _load_rulesets(ckpt: Checkpoint, rules: tuple[str, ...]) -> list[RuleSet]:
+    return [load_rules_arg(r, ckpt.config) for r in rules]
+
+
+def _prepared_table(ckpt: Checkpoint, rulesets: list[RuleSet], adopt_detected: bool) -> ParamTable:
+    table = ckpt.table.copy()
+    for ruleset in rulesets:
+        declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
+    if adopt_detected:
+        declare_ties(table, detect_ties(table), "--detect-ties")
+    return table
+
+
+def _parameters_json(table: ParamTable) -> list[dict]:
+    return [
+        {
+            "name": name,
+            "unique": table.unique_name(name),
+            "dtype": table.spec(name).dtype.safetensors,
+            "shape": list(table.spec(name).shape),
+            "nbytes": table.spec(name).nbytes,
+        }
+        for name in table.names()
+    ]
+
+
+def _summary(table: ParamTable) -> dict:
+    unique = table.unique()
+    return {
+        "parameters": _parameters_json(table),
+        "ties": table.ties(),
+        "unique_count": len(unique),
+        "total_bytes": sum(t.spec.nbytes for _, t in unique),
+    }
+
+
+rules_option = click.option("-r", "--rules", "rules", multiple=True, metavar="RULES",
+                            help="Rules file or preset name (repeatable; applied in order).")
+config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                             help="config.json for config: variables (default: the one beside CKPT).")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+
+
+@command(main, "inspect")
+@click.argument("ckpt", type=click.Path())
+@json_option
+@click.option("--detect-ties", "detect", is_flag=True,
+              help="Hash every tensor and report equal ones as suspected ties (reads all data).")
+@config_option
+def inspect_cmd(ckpt, as_json, detect, config_path):
+    """Show a checkpoint's parameters, ties and provenance (reads headers only).
+
+    \b
+    Example:
+      fusectl inspect fixtures/tied-embeddings.safetensors --json
+    """
+    c = open_checkpoint(ckpt, config_path)
+    report = {
+        "format": c.format,
+        "files": c.files,
+        **_summary(c.table),
+        "provenance": c.provenance.to_json() if c.provenance else None,
+        "config": c.config_path,
+    }
+    if detect:
+        known = {tuple(g) for g in c.table.ties()}
+        report["suspected_ties"] = [g for g in detect_ties(c.table) if tuple(g) not in known]
+    if as_json:
+        _emit_json(report)
+        return
+    click.echo(f"{ckpt}: {c.format}, {len(c.files)} file(s), {report['unique_count']} unique "
+               f"parameters, {_human(report['total_bytes'])}")
+    width = max((len(p["name"]) for p in report["parameters"]), default=0)
+    for p in report["parameters"]:
+        tie = f"  -> {p['unique']}" if p["unique"] != p["name"] else ""
+        click.echo(f"  {p['name']:<{width}}  {p['dtype']:<6} {str(p['shape']):<16}{tie}")
+    for group in report["ties"]:
+        click.echo(f"tied: {', '.join(group)}")
+    for group in report.get("suspected_ties", []):
+        click.echo(f"suspected tie (equal content): {', '.join(group)}; adopt with --detect-ties on fuse/plan or [ties] in a rules file")
+    if c.provenance:
+        click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
+                   f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
+
+
+def _human(nbytes: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _print_plan(plan: Plan, result: ParamTable) -> None:
+    steps = plan.steps
+    click.echo(f"plan: {len(plan.groups)} rule group(s), {len(steps)} step(s) (computed from headers)")
+    for group in plan.groups:
+        click.echo(f"{group.describe()}: {group.kind} x{len(group.steps)}")
+        for step in group.steps:
+            ins = ", ".join(f"{n} {s}" for n, s in zip(step.inputs, step.input_specs))
+            outs = ", ".join(f"{n} {s}" for n, s in zip(step.outputs, step.output_specs))
+            click.echo(f"  {ins} -> {outs or '(dropped)'}")
+        for members in group.untied:
+            click.echo(f"  untied (--untie): {', '.join(members)}")
+    unique = result.unique()
+    click.echo(f"result: {len(result.entries)} names, {len(unique)} unique parameters, "
+               f"{_human(sum(t.spec.nbytes for _, t in unique))}")
+    for group in result.ties():
+        click.echo(f"tied: {', '.join(group)}")
+
+
+def _plan_json(plan: Plan, result: ParamTable) -> dict:
+    return {"groups": plan_to_json(plan), "result": _summary(result)}
+
+
+@command(main, "plan")
+@click.argument("ckpt", type=click.Path())
+@rules_option
+@json_option
+@click.option("--untie", is_flag=True, help="Allow rules that break a tie (other members become copies).")
+@click.option("--detect-ties", "adopt", is_flag=True, help="Adopt tensors with equal content as ties.")
+@config_option
+def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
+    """Show what RULES would do to CKPT, from headers alone.
+
+    \b
+    Example:
+      fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
+    """
+    if not rules:
+        raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
+    c = open_checkpoint(ckpt, config_path)
+    rulesets = _load_rulesets(c, rules)
+    plan, result = make_plan(_prepared_table(c, rulesets, adopt), rulesets, untie)
+    if as_json:
+        _emit_json(_plan_json(plan, result))
+    else:
+        _print_plan(plan, result)
+
+
+output_options = [
+    click.option("-o", "--output", "out", required=True, type=click.Path(),
+                 help="Output: FILE.safetensors, FILE.npz, or a folder (Hugging Face layout)."),
+    click.option("--max-shard-size", default="5GB", show_default=True,
+                 help="Shard a folder output when it is larger than this."),
+    click.option("--force", is_flag=True, help="Replace an existing output."),
+    click.option("--quiet", is_flag=True, help="No progress on stderr."),
+]
+
+
+def with_output_options(fn):
+    for option in reversed(output_options):
+        fn = option(fn)
+    return fn
+
+
+def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, force, quiet, as_json, started):
+    report = write_table(
+        table, plan, out,
+        inputs=[c.path, *c.files],
+        passthrough=c.metadata,
+        companions=c.companions,
+        max_shard_size=parse_size(max_shard_size),
+        force=force,
+        progress=False if quiet else None,
+    )
+    summary = {
+        "output": out,
+        "tensors": report.tensors,
+        "unique_bytes": report.unique_bytes,
+        "copied_bytes": report.copied_bytes,
+        "steps": len(plan.steps) if plan else 0,
+        "ties": table.ties(),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    if as_json:
+        _emit_json(summary)
+    else:
+        click.echo(
+            f"wrote {out}: {report.tensors} tensors, {_human(report.unique_bytes)} "
+            f"({_human(report.copied_bytes)} copied without decoding) in {summary['seconds']:.2f}s"
+        )
+
+
+@command(main, "fuse")
+@click.argument("ckpt", type=click.Path())
+@rules_option
+@with_output_options
+@click.option("--untie", is_flag=True, help="Allow rules that break a tie (other members become copies).")
+@click.option("--detect-ties", "adopt", is_flag=True, help="Adopt tensors with equal content as ties.")
+@config_option
+@json_option
+def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, config_path, as_json):
+    """Apply RULES to CKPT and write the result with its provenance.
+
+    \b
+    Example:
+      fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
+    """
+    started = time.monotonic()
+    if not rules:
+        raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
+    c = open_checkpoint(ckpt, config_path)
+    rulesets = _load_rulesets(c, rules)
+    plan, result = make_plan(_prepared_table(c, rulesets, adopt), rulesets, untie)
+    history = c.provenance.plan if c.provenance else Plan()
+    _write(c, result, history + plan, out, max_shard_size, force, quiet, as_json, started)
+
+
+@command(main, "unfuse")
+@click.argument("ckpt", type=click.Path())
+@rules_option
+@with_output_options
+@click.option("--untie", is_flag=True, help="Allow steps that break a tie.")
+@config_option
+@json_option
+def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, config_path, as_json):
+    """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
+
+    \b
+    Example:
+      fusectl unfuse fused/ -o restored/
+    """
+    started = time.monotonic()
+    c = open_checkpoint(ckpt, config_path)
+    if rules:
+        rulesets = [invert_ruleset(r) for r in reversed(_load_rulesets(c, rules))]
+        plan, result = make_plan(_prepared_table(c, rulesets, False), rulesets, untie)
+        history = (c.provenance.plan if c.provenance else Plan()) + plan
+    else:
+        if c.provenance is None or not c.provenance.plan.groups:
+            raise PlanError(f"{ckpt}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
+        inverse = c.provenance.plan.inverse()
+        result = replay_plan(c.table, inverse, f"{ckpt} (provenance)", untie)
+        history = Plan()
+    _write(c, result, history, out, max_shard_size, force, quiet, as_json, started)
+
+
+@main.group("rules", cls=FusectlGroup)
+def rules_group():
+    """List and show the presets shipped with fusectl."""
+
+
+@command(rules_group, "list")
+def rules_list():
+    """Name each preset with its one-line description."""
+    names = preset_names()
+    width = max(len(n) for n in names)
+    for name in names:
+        click.echo(f"{name:<{width}}  {preset_description(name)}")
+
+
+@command(rules_group, "show")
+@click.argument("name")
+def rules_show(name):
+    """Print a preset's rules file."""
+    click.echo(preset_text(name), nl=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

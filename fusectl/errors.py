@@ -1,0 +1,41 @@
+"""Domain exceptions. The library raises these; only ``cli.py`` turns them into exit codes."""
+
+from __future__ import annotations
+
+
+class FusectlError(Exception):
+    """Base class of every error fusectl reports to a user (exit code 2 on the CLI)."""
+
+
+class CheckpointError(FusectlError):
+    """A checkpoint file is missing, corrupt, or not in a format fusectl reads."""
+
+
+class RuleError(FusectlError):
+    """A rules file is malformed: unknown key or op, bad pattern, bad variable."""
+
+
+class PlanError(FusectlError):
+    """Rules do not fit the checkpoint: missing tensor, shape or dtype mismatch, one-way step."""
+
+
+class TieError(PlanError):
+    """A plan would silently break a tie between parameters, or tie sources disagree."""
+
+
+class OutputError(FusectlError):
+    """The output cannot be written (exists without --force, would overwrite an input)."""
+
+
+class ComputeError(FusectlError):
+    """A step's data is invalid for its op (found while executing, e.g. a zero norm)."""
+
+
+def quote(name: str) -> str:
+    """Render a name read from a file safely for a terminal: control characters are escaped.
+
+    >>> quote("a\\x1b[31mb")
+    "'a\\\\x1b[31mb'"
+    """
+    escaped = name.encode("unicode_escape").decode("ascii").replace("'", "\\'")
+    return f"'{escaped}'"

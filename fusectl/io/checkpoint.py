@@ -1,0 +1,158 @@
+"""Open any supported checkpoint into a ParamTable (headers only) with its ties and provenance."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointError, quote
+from ..table import ParamTable
+from ..tensors import LazyTensor
+from ..ties import aliases_from_metadata, apply_aliases, merge_aliases
+from .npz_file import read_npz
+from .provenance import METADATA_KEY, Provenance
+from .safetensors_file import read_header
+
+INDEX_SUFFIX = ".safetensors.index.json"
+# files that hold weights; everything else in a Hugging Face folder travels with the output
+WEIGHT_SUFFIXES = (".safetensors", INDEX_SUFFIX, ".bin", ".pt", ".pth", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint opened lazily: its table, where it came from, and what travels with it."""
+
+    path: str
+    format: str  # "safetensors", "safetensors-sharded", "npz"
+    files: list[str]
+    table: ParamTable
+    metadata: dict[str, str] = field(default_factory=dict)
+    provenance: Provenance | None = None
+    config: dict | None = None
+    config_path: str | None = None
+    companions: list[str] = field(default_factory=list)
+
+
+def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
+    """Read headers of a safetensors file, sharded index, Hugging Face folder or npz archive.
+
+    ``config.json`` beside the checkpoint (or ``config_path``) supplies ``config:`` variables.
+    """
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    companions: list[str] = []
+    if os.path.isdir(path):
+        target = _pick_in_folder(path)
+        companions = sorted(
+            os.path.join(path, n) for n in os.listdir(path)
+            if os.path.isfile(os.path.join(path, n)) and not n.endswith(WEIGHT_SUFFIXES)
+        )
+    else:
+        target = path
+
+    if target.endswith(INDEX_SUFFIX):
+        stored, metadata, files, index_meta = _read_sharded(target)
+        fmt = "safetensors-sharded"
+        provenance_text = index_meta.get(METADATA_KEY)
+    elif target.endswith(".safetensors"):
+        stored, metadata = read_header(target)
+        files, fmt = [target], "safetensors"
+        provenance_text = metadata.get(METADATA_KEY)
+    elif target.endswith(".npz"):
+        stored, metadata = read_npz(target)
+        files, fmt = [target], "npz"
+        provenance_text = metadata.get(METADATA_KEY)
+    else:
+        raise CheckpointError(
+            f"{target}: unsupported checkpoint format; fusectl reads .safetensors, "
+            f"*{INDEX_SUFFIX}, Hugging Face folders and .npz"
+        )
+
+    table = ParamTable.from_stored(stored)
+    provenance = Provenance.loads(provenance_text, target) if provenance_text else None
+    aliases = merge_aliases([
+        (f"{target} (fusectl provenance)", provenance.aliases if provenance else {}),
+        (f"{target} (save_model metadata)", aliases_from_metadata(metadata, stored)),
+    ])
+    apply_aliases(table, aliases, target)
+    passthrough = {
+        k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
+    }
+    config_path = config_path or _existing(os.path.join(folder, "config.json"))
+    config = _read_config(config_path) if config_path else None
+    return Checkpoint(path, fmt, files, table, passthrough, provenance, config, config_path, companions)
+
+
+def _existing(path: str) -> str | None:
+    return path if os.path.isfile(path) else None
+
+
+def _read_config(path: str) -> dict:
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read config: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: config is not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: config must be a JSON object")
+    return config
+
+
+def _pick_in_folder(folder: str) -> str:
+    names = sorted(os.listdir(folder))
+    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    if len(indexes) == 1:
+        return os.path.join(folder, indexes[0])
+    singles = [n for n in names if n.endswith(".safetensors")]
+    if not indexes and len(singles) == 1:
+        return os.path.join(folder, singles[0])
+    npz = [n for n in names if n.endswith(".npz")]
+    if not indexes and not singles and len(npz) == 1:
+        return os.path.join(folder, npz[0])
+    found = indexes or singles or npz
+    if found:
+        raise CheckpointError(
+            f"{folder}: holds {', '.join(found)}; name the one to read instead of the folder"
+        )
+    raise CheckpointError(f"{folder}: holds no .safetensors, {INDEX_SUFFIX} or .npz file")
+
+
+def _read_sharded(index_path: str):
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except OSError as e:
+        raise CheckpointError(f"{index_path}: cannot read: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index_path}: not valid JSON ({e}); the index is corrupt") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
+    index_meta = index.get("metadata") or {}
+    if not isinstance(index_meta, dict):
+        raise CheckpointError(f"{index_path}: 'metadata' must be an object")
+    folder = os.path.dirname(index_path)
+    stored: dict[str, LazyTensor] = {}
+    metadata: dict[str, str] = {}
+    files = []
+    for shard in sorted(set(weight_map.values())):
+        shard_path = os.path.join(folder, shard)
+        if os.path.basename(shard) != shard or not os.path.isfile(shard_path):
+            raise CheckpointError(f"{index_path}: shard {quote(shard)} is missing beside the index")
+        tensors, shard_meta = read_header(shard_path)
+        files.append(shard_path)
+        for name, tensor in tensors.items():
+            if name in stored:
+                raise CheckpointError(f"{shard_path}: tensor {quote(name)} is also stored in another shard")
+            stored[name] = tensor
+        metadata.update(shard_meta)
+    for name, shard in weight_map.items():
+        if name not in stored or stored[name].location.path != os.path.join(folder, shard):
+            raise CheckpointError(
+                f"{index_path}: the index puts {quote(name)} in {quote(shard)}, which does not hold it"
+            )
+    return stored, metadata, files, index_meta

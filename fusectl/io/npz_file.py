@@ -1,0 +1,130 @@
+"""``.npz`` archives: lazy members (zero-copy ranges when stored uncompressed) and a streaming writer.
+
+numpy's format has no bf16/fp8 types (ml_dtypes arrays save as raw ``|V2``), so fusectl writes
+those as unsigned integers of the same width and records the real dtypes in a
+``__fusectl_dtypes__.npy`` member; reading restores them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CheckpointError, quote
+from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
+
+DTYPES_MEMBER = "__fusectl_dtypes__"
+METADATA_MEMBER = "__fusectl_metadata__"
+_RESERVED = (DTYPES_MEMBER, METADATA_MEMBER)
+
+
+@dataclass(frozen=True, eq=False)
+class NpzMemberTensor(LazyTensor):
+    """A compressed (or Fortran-ordered) npz member: decoded on read."""
+
+    spec: TensorSpec
+    path: str
+    member: str
+    stored_name: str
+
+    def read(self) -> np.ndarray:
+        with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
+            array = np.lib.format.read_array(f, allow_pickle=False)
+        return np.ascontiguousarray(array).view(self.spec.dtype.numpy).reshape(self.spec.shape)
+
+
+def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
+    """The tensors (lazy) and fusectl metadata of an npz archive."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"{path}: not a readable .npz archive ({e})") from e
+    tensors: dict[str, LazyTensor] = {}
+    extras: dict[str, np.ndarray] = {}
+    with zf, open(path, "rb") as raw:
+        for info in zf.infolist():
+            if not info.filename.endswith(".npy"):
+                raise CheckpointError(f"{path}: member {quote(info.filename)} is not a .npy array")
+            name = info.filename[: -len(".npy")]
+            where = f"{path}: array {quote(name)}"
+            try:
+                with zf.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+                    header_end = f.tell()
+                    if name in _RESERVED:
+                        extras[name] = np.lib.format.read_array(f, allow_pickle=False)
+                        continue
+            except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+                raise CheckpointError(f"{where}: unreadable ({e})") from e
+            if dtype.hasobject:
+                raise CheckpointError(f"{where}: holds Python objects (pickle); fusectl never unpickles npz data")
+            spec = TensorSpec(dtypes.from_numpy(dtype, where), tuple(shape))
+            if info.compress_type == zipfile.ZIP_STORED and not fortran:
+                raw.seek(info.header_offset)
+                local = raw.read(30)
+                if local[:4] != b"PK\x03\x04":
+                    raise CheckpointError(f"{where}: corrupt zip entry")
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                start = info.header_offset + 30 + name_len + extra_len + header_end
+                tensors[name] = FileTensor(spec, ByteRange(path, start, spec.nbytes), name)
+            else:
+                tensors[name] = NpzMemberTensor(spec, path, info.filename, name)
+    metadata: dict[str, str] = {}
+    if METADATA_MEMBER in extras:
+        metadata = json.loads(bytes(extras[METADATA_MEMBER]).decode())
+    if DTYPES_MEMBER in extras:
+        real = json.loads(bytes(extras[DTYPES_MEMBER]).decode())
+        for name, dtype_name in real.items():
+            tensor = tensors[name]
+            spec = TensorSpec(dtypes.from_safetensors(dtype_name, f"{path}: {quote(name)}"), tensor.spec.shape)
+            tensors[name] = (
+                FileTensor(spec, tensor.location, name) if isinstance(tensor, FileTensor)
+                else NpzMemberTensor(spec, tensor.path, tensor.member, name)
+            )
+    return tensors, metadata
+
+
+_STORAGE_TYPE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class NpzWriter:
+    """Writes an uncompressed npz member by member (extension dtypes stored as raw uints)."""
+
+    def __init__(self, path: str, entries, metadata):
+        self.path = path
+        self._specs = dict(entries)
+        self._zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)
+        self._real_dtypes = {
+            n: s.dtype.safetensors for n, s in entries if not _native(s)
+        }
+        self._put(METADATA_MEMBER, np.frombuffer(json.dumps(dict(metadata)).encode(), np.uint8))
+        if self._real_dtypes:
+            self._put(DTYPES_MEMBER, np.frombuffer(json.dumps(self._real_dtypes).encode(), np.uint8))
+
+    def _put(self, name: str, array: np.ndarray) -> None:
+        with self._zip.open(name + ".npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, array, allow_pickle=False)
+
+    def write(self, name: str, data) -> None:
+        spec = self._specs[name]
+        if not isinstance(data, np.ndarray):
+            data = read_ranges(data, spec)
+        if name in self._real_dtypes:
+            data = np.ascontiguousarray(data).view(_STORAGE_TYPE[spec.dtype.itemsize])
+        self._put(name, data)
+
+    def close(self) -> None:
+        self._zip.close()
+
+    def abort(self) -> None:
+        self._zip.close()
+
+
+def _native(spec: TensorSpec) -> bool:
+    return spec.dtype.numpy.type.__module__ == "numpy"

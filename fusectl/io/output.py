@@ -1,0 +1,156 @@
+"""Output layouts (single safetensors, Hugging Face folder with shards, npz) written atomically."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from typing import Iterator, Mapping, Sequence
+
+from ..errors import OutputError
+from ..tensors import TensorSpec
+from .checkpoint import INDEX_SUFFIX
+from .npz_file import NpzWriter
+from .safetensors_file import SafetensorsWriter
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' → 5_000_000_000 (decimal units as Hugging Face uses; KiB/MiB/GiB binary).
+
+    >>> parse_size("500MB"), parse_size("1GiB"), parse_size("123")
+    (500000000, 1073741824, 123)
+    """
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise OutputError(f"--max-shard-size {text!r}: write a size such as 5GB, 500MB or 2GiB")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise OutputError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+def output_kind(path: str) -> str:
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    if path.endswith(".npz"):
+        return "npz"
+    return "folder"
+
+
+@contextlib.contextmanager
+def atomic_output(path: str, *, force: bool, inputs: Sequence[str]) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; rename it into place only if the body succeeds."""
+    target = os.path.abspath(path)
+    for source in inputs:
+        source = os.path.abspath(source)
+        if target == source or source.startswith(target.rstrip(os.sep) + os.sep):
+            raise OutputError(f"{path}: the output would overwrite the input {source}; choose another -o")
+    if os.path.lexists(target) and not force:
+        raise OutputError(f"{path}: already exists; pass --force to replace it")
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{path}: the folder {parent} does not exist")
+    base = os.path.basename(target)
+    temp = os.path.join(parent, f".{base}.fusectl-tmp-{os.getpid()}")
+    _remove(temp)
+    try:
+        yield temp
+        if os.path.lexists(target):
+            old = os.path.join(parent, f".{base}.fusectl-old-{os.getpid()}")
+            os.rename(target, old)
+            os.rename(temp, target)
+            _remove(old)
+        else:
+            os.rename(temp, target)
+    finally:
+        _remove(temp)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+class FolderWriter:
+    """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
+
+    def __init__(self, folder: str, entries: Sequence[tuple[str, TensorSpec]],
+                 shard_metadata, index_metadata: Mapping[str, str], max_shard_size: int,
+                 companions: Sequence[str]):
+        os.makedirs(folder)
+        for companion in companions:
+            shutil.copy2(companion, os.path.join(folder, os.path.basename(companion)))
+        shards = plan_shards(entries, max_shard_size)
+        self._folder = folder
+        self._total = sum(s.nbytes for _, s in entries)
+        if len(shards) == 1:
+            files = ["model.safetensors"]
+            metadata = {**shard_metadata(shards[0]), **index_metadata}
+            self._metas = [metadata]
+            self._index = None
+        else:
+            files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+            self._metas = [shard_metadata(s) for s in shards]
+            self._index = {
+                "metadata": {"total_size": self._total, **index_metadata},
+                "weight_map": {n: f for f, shard in zip(files, shards) for n, _ in shard},
+            }
+        self._files = files
+        self._shards = shards
+        self._where = {n: k for k, shard in enumerate(shards) for n, _ in shard}
+        self._writer: SafetensorsWriter | None = None
+        self._current = -1
+
+    def write(self, name: str, data) -> None:
+        k = self._where[name]
+        if k != self._current:
+            if self._writer:
+                self._writer.close()
+            self._current = k
+            self._writer = SafetensorsWriter(
+                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]
+            )
+        self._writer.write(name, data)
+
+    def close(self) -> None:
+        if self._writer:
+            self._writer.close()
+        for k in range(self._current + 1, len(self._shards)):  # empty shards cannot occur
+            SafetensorsWriter(os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]).close()
+        if self._index is not None:
+            with open(os.path.join(self._folder, "model" + INDEX_SUFFIX), "w") as f:
+                json.dump(self._index, f, indent=2)
+                f.write("\n")
+
+    def abort(self) -> None:
+        if self._writer:
+            self._writer.abort()
+
+
+def plan_shards(entries: Sequence[tuple[str, TensorSpec]], max_size: int) -> list[list[tuple[str, TensorSpec]]]:
+    """Cut the ordered entries into shards of at most ``max_size`` bytes (a bigger tensor alone)."""
+    shards: list[list[tuple[str, TensorSpec]]] = [[]]
+    size = 0
+    for name, spec in entries:
+        if shards[-1] and size + spec.nbytes > max_size:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, spec))
+        size += spec.nbytes
+    return shards
+
+
+def open_writer(kind: str, path: str, entries, shard_metadata, index_metadata, max_shard_size, companions):
+    """A writer for ``kind``; ``shard_metadata(shard_entries)`` gives each file's metadata."""
+    if kind == "safetensors":
+        return SafetensorsWriter(path, entries, {**shard_metadata(entries), **index_metadata})
+    if kind == "npz":
+        return NpzWriter(path, entries, {**shard_metadata(entries), **index_metadata})
+    return FolderWriter(path, entries, shard_metadata, index_metadata, max_shard_size, companions)

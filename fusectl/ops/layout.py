@@ -1,0 +1,430 @@
+"""Layout ops: they move bytes, so they are exact for every dtype and invert bitwise."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Sequence
+
+import numpy as np
+
+from ..errors import PlanError
+from ..tensors import ByteRange, TensorSpec
+from .base import Op, leading_ones, normalize_axis, same_dtype
+
+
+def slice_ranges(ranges: Sequence[ByteRange], start: int, length: int) -> tuple[ByteRange, ...]:
+    """Bytes ``start .. start+length`` of the concatenation of ``ranges``."""
+    out: list[ByteRange] = []
+    pos = 0
+    for r in ranges:
+        lo, hi = max(start, pos), min(start + length, pos + r.length)
+        if lo < hi:
+            out.append(ByteRange(r.path, r.offset + lo - pos, hi - lo))
+        pos += r.length
+    return tuple(out)
+
+
+def _declared_sizes(op: Op) -> tuple[int, ...]:
+    if op.sizes is None:
+        raise PlanError(f"{op.kind} without sizes cannot be undone from the rule alone; add "
+                        "sizes = [...] to the rule or unfuse with the provenance instead of -r")
+    return op.sizes
+
+
+def _equal_sizes(total: int, parts: int, name: str, what: str) -> tuple[int, ...]:
+    if parts <= 0 or total % parts:
+        raise PlanError(f"{name!r}: length {total} along the {what} does not split into {parts} equal parts")
+    return (total // parts,) * parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Rename(Op):
+    kind: ClassVar[str] = "rename"
+    summary: ClassVar[str] = "new name, same data"
+
+    def infer(self, specs, names):
+        return [specs[0]]
+
+    def apply(self, arrays):
+        return [arrays[0]]
+
+    def inverse(self, specs):
+        return Rename()
+
+    def byte_ranges(self, ranges, specs, index):
+        return ranges[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop(Op):
+    kind: ClassVar[str] = "drop"
+    summary: ClassVar[str] = "remove a tensor (one-way)"
+    outputs_field: ClassVar[str | None] = None
+
+    def infer(self, specs, names):
+        return []
+
+    def output_count(self, specs):
+        return 0
+
+    def apply(self, arrays):
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Concat(Op):
+    kind: ClassVar[str] = "concat"
+    summary: ClassVar[str] = "concatenate along an axis"
+    inputs_field: ClassVar[str] = "inputs"
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+
+    def infer(self, specs, names):
+        same_dtype(specs, names)
+        ndim = len(specs[0].shape)
+        axis = normalize_axis(self.axis, ndim, names[0])
+        for spec, name in zip(specs, names):
+            if len(spec.shape) != ndim or any(
+                a != b for k, (a, b) in enumerate(zip(spec.shape, specs[0].shape)) if k != axis
+            ):
+                raise PlanError(
+                    f"{name!r} has shape {list(spec.shape)} but {names[0]!r} has "
+                    f"{list(specs[0].shape)}; they must agree on every axis but {axis}"
+                )
+        if self.sizes is not None:
+            if len(self.sizes) != len(specs):
+                raise PlanError(f"sizes {list(self.sizes)} name {len(self.sizes)} parts but there are {len(specs)} inputs")
+            for size, spec, name in zip(self.sizes, specs, names):
+                if spec.shape[axis] != size:
+                    raise PlanError(
+                        f"{name!r} has length {spec.shape[axis]} along axis {axis}, "
+                        f"but the rule's sizes say {size}"
+                    )
+        shape = list(specs[0].shape)
+        shape[axis] = sum(s.shape[axis] for s in specs)
+        return [TensorSpec(specs[0].dtype, tuple(shape))]
+
+    def apply(self, arrays):
+        return [np.concatenate(arrays, axis=self.axis)]
+
+    def inverse(self, specs):
+        if specs is None:
+            return Split(axis=self.axis, sizes=_declared_sizes(self), parts=len(self.sizes))
+        axis = self.axis % len(specs[0].shape)
+        return Split(axis=self.axis, sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
+
+    def byte_ranges(self, ranges, specs, index):
+        if not leading_ones(specs[0].shape, self.axis % len(specs[0].shape)):
+            return None
+        return tuple(r for rs in ranges for r in rs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split(Op):
+    kind: ClassVar[str] = "split"
+    summary: ClassVar[str] = "split along an axis into sized parts"
+    outputs_field: ClassVar[str] = "outputs"
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+    parts: int = 0
+
+    def _sizes(self, spec: TensorSpec, name: str) -> tuple[int, ...]:
+        axis = normalize_axis(self.axis, len(spec.shape), name)
+        if self.sizes is None:
+            return _equal_sizes(spec.shape[axis], self.parts, name, f"axis {axis}")
+        if sum(self.sizes) != spec.shape[axis]:
+            raise PlanError(
+                f"{name!r} has length {spec.shape[axis]} along axis {axis}, "
+                f"but sizes {list(self.sizes)} add up to {sum(self.sizes)}"
+            )
+        return self.sizes
+
+    def output_count(self, specs):
+        return self.parts
+
+    def infer(self, specs, names):
+        axis = normalize_axis(self.axis, len(specs[0].shape), names[0])
+        out = []
+        for size in self._sizes(specs[0], names[0]):
+            shape = list(specs[0].shape)
+            shape[axis] = size
+            out.append(TensorSpec(specs[0].dtype, tuple(shape)))
+        return out
+
+    def apply(self, arrays):
+        bounds = np.cumsum(self.sizes or (arrays[0].shape[self.axis] // self.parts,) * self.parts)[:-1]
+        return list(np.split(arrays[0], bounds, axis=self.axis))
+
+    def inverse(self, specs):
+        return Concat(axis=self.axis)
+
+    def byte_ranges(self, ranges, specs, index):
+        spec = specs[0]
+        axis = self.axis % len(spec.shape)
+        if not leading_ones(spec.shape, axis):
+            return None
+        sizes = self._sizes(spec, "")
+        row = spec.nbytes // spec.shape[axis] if spec.shape[axis] else 0
+        return slice_ranges(ranges[0], sum(sizes[:index]) * row, sizes[index] * row)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interleave(Op):
+    kind: ClassVar[str] = "interleave"
+    summary: ClassVar[str] = "per-group interleave: chunk g of every input, then chunk g+1 ..."
+    inputs_field: ClassVar[str] = "inputs"
+    axis: int = 0
+    groups: int = 1
+    sizes: tuple[int, ...] | None = None
+
+    def infer(self, specs, names):
+        (out,) = Concat(axis=self.axis, sizes=self.sizes).infer(specs, names)
+        axis = self.axis % len(out.shape)
+        for spec, name in zip(specs, names):
+            _equal_sizes(spec.shape[axis], self.groups, name, f"axis {axis} ({self.groups} groups)")
+        return [out]
+
+    def apply(self, arrays):
+        axis = self.axis % arrays[0].ndim
+        chunks = [np.split(a, self.groups, axis=axis) for a in arrays]
+        return [np.concatenate([c[g] for g in range(self.groups) for c in chunks], axis=axis)]
+
+    def inverse(self, specs):
+        if specs is None:
+            return Deinterleave(axis=self.axis, groups=self.groups,
+                                sizes=_declared_sizes(self), parts=len(self.sizes))
+        axis = self.axis % len(specs[0].shape)
+        return Deinterleave(axis=self.axis, groups=self.groups,
+                            sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Deinterleave(Op):
+    kind: ClassVar[str] = "deinterleave"
+    summary: ClassVar[str] = "exact inverse of interleave"
+    outputs_field: ClassVar[str] = "outputs"
+    axis: int = 0
+    groups: int = 1
+    sizes: tuple[int, ...] | None = None
+    parts: int = 0
+
+    def output_count(self, specs):
+        return self.parts
+
+    def infer(self, specs, names):
+        outs = Split(axis=self.axis, sizes=self.sizes, parts=self.parts).infer(specs, names)
+        axis = self.axis % len(specs[0].shape)
+        for k, out in enumerate(outs):
+            _equal_sizes(out.shape[axis], self.groups, names[0], f"axis {axis} (part {k}, {self.groups} groups)")
+        return outs
+
+    def apply(self, arrays):
+        a = arrays[0]
+        axis = self.axis % a.ndim
+        sizes = self.sizes or (a.shape[axis] // self.parts,) * self.parts
+        per_group = [s // self.groups for s in sizes]
+        grouped = a.reshape(a.shape[:axis] + (self.groups, sum(per_group)) + a.shape[axis + 1 :])
+        pieces = np.split(grouped, np.cumsum(per_group)[:-1], axis=axis + 1)
+        return [
+            p.reshape(a.shape[:axis] + (size,) + a.shape[axis + 1 :])
+            for p, size in zip(pieces, sizes)
+        ]
+
+    def inverse(self, specs):
+        return Interleave(axis=self.axis, groups=self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack(Op):
+    kind: ClassVar[str] = "stack"
+    summary: ClassVar[str] = "stack along a new axis"
+    inputs_field: ClassVar[str] = "inputs"
+    axis: int = 0
+
+    def infer(self, specs, names):
+        same_dtype(specs, names)
+        for spec, name in zip(specs, names):
+            if spec.shape != specs[0].shape:
+                raise PlanError(
+                    f"{name!r} has shape {list(spec.shape)} but {names[0]!r} has "
+                    f"{list(specs[0].shape)}; stacked tensors must have one shape"
+                )
+        ndim = len(specs[0].shape) + 1
+        axis = normalize_axis(self.axis, ndim, names[0])
+        shape = list(specs[0].shape)
+        shape.insert(axis, len(specs))
+        return [TensorSpec(specs[0].dtype, tuple(shape))]
+
+    def apply(self, arrays):
+        return [np.stack(arrays, axis=self.axis)]
+
+    def inverse(self, specs):
+        return Unstack(axis=self.axis)
+
+    def byte_ranges(self, ranges, specs, index):
+        axis = self.axis % (len(specs[0].shape) + 1)
+        if not leading_ones(specs[0].shape, axis):
+            return None
+        return tuple(r for rs in ranges for r in rs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstack(Op):
+    kind: ClassVar[str] = "unstack"
+    summary: ClassVar[str] = "inverse of stack: one tensor per index of an axis"
+    axis: int = 0
+
+    def output_count(self, specs):
+        return specs[0].shape[self.axis % len(specs[0].shape)]
+
+    def infer(self, specs, names):
+        axis = normalize_axis(self.axis, len(specs[0].shape), names[0])
+        shape = specs[0].shape[:axis] + specs[0].shape[axis + 1 :]
+        return [TensorSpec(specs[0].dtype, shape)] * specs[0].shape[axis]
+
+    def apply(self, arrays):
+        axis = self.axis % arrays[0].ndim
+        return [np.take(arrays[0], k, axis=axis) for k in range(arrays[0].shape[axis])]
+
+    def inverse(self, specs):
+        return Stack(axis=self.axis)
+
+    def byte_ranges(self, ranges, specs, index):
+        spec = specs[0]
+        axis = self.axis % len(spec.shape)
+        if not leading_ones(spec.shape, axis):
+            return None
+        row = spec.nbytes // spec.shape[axis]
+        return slice_ranges(ranges[0], index * row, row)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose(Op):
+    kind: ClassVar[str] = "transpose"
+    summary: ClassVar[str] = "permute axes"
+    perm: tuple[int, ...] = (1, 0)
+
+    def infer(self, specs, names):
+        spec = specs[0]
+        if sorted(self.perm) != list(range(len(spec.shape))):
+            raise PlanError(
+                f"{names[0]!r} has {len(spec.shape)} dimensions; perm {list(self.perm)} "
+                "must be a permutation of them"
+            )
+        return [TensorSpec(spec.dtype, tuple(spec.shape[p] for p in self.perm))]
+
+    def apply(self, arrays):
+        return [np.ascontiguousarray(np.transpose(arrays[0], self.perm))]
+
+    def inverse(self, specs):
+        return Transpose(perm=tuple(int(p) for p in np.argsort(self.perm)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape(Op):
+    kind: ClassVar[str] = "reshape"
+    summary: ClassVar[str] = "same bytes, new shape (one entry may be -1)"
+    shape: tuple[int, ...] = ()
+
+    def infer(self, specs, names):
+        spec = specs[0]
+        shape = list(self.shape)
+        if shape.count(-1) > 1 or any(d < -1 for d in shape):
+            raise PlanError(f"reshape of {names[0]!r}: shape {shape} may hold one -1 and no other negative")
+        known = int(np.prod([d for d in shape if d != -1]))
+        if -1 in shape:
+            if known == 0 or spec.numel % known:
+                raise PlanError(f"{names[0]!r} has {spec.numel} elements; cannot reshape to {shape}")
+            shape[shape.index(-1)] = spec.numel // known
+        elif known != spec.numel:
+            raise PlanError(f"{names[0]!r} has {spec.numel} elements ({list(spec.shape)}); cannot reshape to {shape}")
+        return [TensorSpec(spec.dtype, tuple(shape))]
+
+    def apply(self, arrays):
+        return [arrays[0].reshape(self.shape)]
+
+    def inverse(self, specs):
+        if specs is None:
+            raise PlanError("reshape cannot be undone from the rule alone (the original shape is "
+                            "not in it); unfuse with the provenance instead of -r")
+        return Reshape(shape=specs[0].shape)
+
+    def byte_ranges(self, ranges, specs, index):
+        return ranges[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reorder(Op):
+    kind: ClassVar[str] = "reorder"
+    summary: ClassVar[str] = "cut into equal chunks and emit them in a new order"
+    axis: int = 0
+    chunks: int = 1
+    order: tuple[int, ...] = ()
+
+    def infer(self, specs, names):
+        spec = specs[0]
+        axis = normalize_axis(self.axis, len(spec.shape), names[0])
+        if sorted(self.order) != list(range(self.chunks)):
+            raise PlanError(f"order {list(self.order)} must be a permutation of 0..{self.chunks - 1}")
+        _equal_sizes(spec.shape[axis], self.chunks, names[0], f"axis {axis}")
+        return [spec]
+
+    def apply(self, arrays):
+        parts = np.split(arrays[0], self.chunks, axis=self.axis)
+        return [np.concatenate([parts[k] for k in self.order], axis=self.axis)]
+
+    def inverse(self, specs):
+        return Reorder(axis=self.axis, chunks=self.chunks,
+                       order=tuple(int(k) for k in np.argsort(self.order)))
+
+    def byte_ranges(self, ranges, specs, index):
+        spec = specs[0]
+        axis = self.axis % len(spec.shape)
+        if not leading_ones(spec.shape, axis):
+            return None
+        chunk = spec.nbytes // self.chunks
+        return tuple(r for k in self.order for r in slice_ranges(ranges[0], k * chunk, chunk))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopePermute(Op):
+    """Meta ↔ Hugging Face rotary layout of q/k projection rows.
+
+    Meta interleaves the two halves of each head's rotary pairs; HF keeps them in two blocks:
+    to "hf" is ``w.reshape(heads, rows/heads/2, 2, cols).transpose(0, 2, 1, 3)``.
+    """
+
+    kind: ClassVar[str] = "rope_permute"
+    summary: ClassVar[str] = "Meta <-> HF rotary permutation of q/k rows"
+    heads: int = 1
+    to: str = "hf"
+
+    def infer(self, specs, names):
+        spec = specs[0]
+        if self.to not in ("hf", "meta"):
+            raise PlanError(f"rope_permute: to = {self.to!r}; use \"hf\" or \"meta\"")
+        if len(spec.shape) not in (1, 2):
+            raise PlanError(f"{names[0]!r} has shape {list(spec.shape)}; rope_permute needs a matrix or a bias")
+        if self.heads <= 0 or spec.shape[0] % (2 * self.heads):
+            raise PlanError(
+                f"{names[0]!r} has {spec.shape[0]} rows, not a multiple of 2 × heads "
+                f"(heads = {self.heads}); use heads for q and kv_heads for k"
+            )
+        return [spec]
+
+    def apply(self, arrays):
+        w = arrays[0]
+        rows = w.shape[0]
+        cols = w.shape[1] if w.ndim == 2 else 1
+        half = rows // self.heads // 2
+        src = (self.heads, half, 2, cols) if self.to == "hf" else (self.heads, 2, half, cols)
+        return [np.ascontiguousarray(w.reshape(src).transpose(0, 2, 1, 3)).reshape(w.shape)]
+
+    def inverse(self, specs):
+        return RopePermute(heads=self.heads, to="meta" if self.to == "hf" else "hf")
+
+
+LAYOUT_OPS: tuple[type[Op], ...] = (
+    Rename, Drop, Concat, Split, Interleave, Deinterleave, Stack, Unstack,
+    Transpose, Reshape, Reorder, RopePermute,
+)

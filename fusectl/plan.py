@@ -1,0 +1,309 @@
+"""Bind rules to a parameter table → a Plan of frozen steps, computed from headers alone.
+
+The plan is data: ``fusectl plan`` prints it, ``fuse`` executes it and stores it as
+provenance, ``unfuse`` executes ``plan.inverse()``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .errors import PlanError, RuleError, TieError
+from .ops import OPS, Op
+from .rules.schema import Rule, RuleSet
+from .table import ParamTable
+from .tensors import ByteRange, LazyTensor, TensorSpec
+
+
+@dataclass(frozen=True)
+class Step:
+    """One concrete application of an op: named inputs → named outputs, specs known."""
+
+    op: Op
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    input_specs: tuple[TensorSpec, ...]
+    output_specs: tuple[TensorSpec, ...]
+
+    def inverse(self) -> "Step | None":
+        op = self.op.inverse(self.input_specs)
+        if op is None:
+            return None
+        return Step(op, self.outputs, self.inputs, self.output_specs, self.input_specs)
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """The steps one rule produced; ties are judged per group."""
+
+    rule: str
+    source: str
+    steps: tuple[Step, ...]
+    untied: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return self.steps[0].op.kind if self.steps else "none"
+
+    def describe(self) -> str:
+        return f"rule {self.rule!r} ({self.source})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An ordered list of step groups."""
+
+    groups: tuple[StepGroup, ...] = ()
+
+    @property
+    def steps(self) -> list[Step]:
+        return [s for g in self.groups for s in g.steps]
+
+    def inverse(self) -> "Plan":
+        """The plan that undoes this one; PlanError naming the first one-way step."""
+        groups = []
+        for group in reversed(self.groups):
+            steps = []
+            for step in reversed(group.steps):
+                inverse = step.inverse()
+                if inverse is None:
+                    raise PlanError(
+                        f"{group.describe()} is one-way: its {step.op.kind} step on "
+                        f"{', '.join(repr(n) for n in step.inputs)} cannot be undone"
+                    )
+                steps.append(inverse)
+            groups.append(StepGroup(group.rule, group.source, tuple(steps)))
+        return Plan(tuple(groups))
+
+    def __add__(self, other: "Plan") -> "Plan":
+        return Plan(self.groups + other.groups)
+
+
+@dataclass(frozen=True, eq=False)
+class Computation:
+    """One op over input tensors; its outputs are computed together."""
+
+    op: Op
+    inputs: tuple[LazyTensor, ...]
+    output_specs: tuple[TensorSpec, ...]
+    label: str
+
+
+@dataclass(frozen=True, eq=False)
+class ComputedTensor(LazyTensor):
+    """Output ``index`` of a computation."""
+
+    spec: TensorSpec
+    computation: Computation
+    index: int
+
+    def byte_ranges(self) -> tuple[ByteRange, ...] | None:
+        ranges = [t.byte_ranges() for t in self.computation.inputs]
+        if any(r is None for r in ranges):
+            return None
+        specs = [t.spec for t in self.computation.inputs]
+        return self.computation.op.byte_ranges(ranges, specs, self.index)
+
+
+@dataclass
+class Planner:
+    """Applies step groups to a table, judging ties; ``table`` is the state after each group."""
+
+    table: ParamTable
+    untie: bool = False
+    groups: list[StepGroup] = field(default_factory=list)
+
+    def apply_rules(self, ruleset: RuleSet) -> None:
+        for rule in ruleset.rules:
+            steps = bind_rule(rule, self.table)
+            if steps:
+                self.apply_group(StepGroup(rule.name, rule.source, tuple(steps)))
+
+    def apply_plan(self, plan: Plan, what: str) -> None:
+        for group in plan.groups:
+            for step in group.steps:
+                for name, spec in zip(step.inputs, step.input_specs):
+                    if name not in self.table:
+                        raise PlanError(
+                            f"{what}: {group.describe()} needs {name!r}, which the checkpoint lacks"
+                        )
+                    if self.table.spec(name) != spec:
+                        raise PlanError(
+                            f"{what}: {group.describe()} expects {name!r} as {spec}, "
+                            f"but the checkpoint has {self.table.spec(name)}"
+                        )
+            self.apply_group(group)
+
+    def plan(self) -> Plan:
+        return Plan(tuple(self.groups))
+
+    def apply_group(self, group: StepGroup) -> None:
+        table = self.table
+        consumed = {n for step in group.steps for n in step.inputs}
+        produced: set[str] = set()
+        for step in group.steps:
+            for name in step.outputs:
+                if name in produced or (name in table and name not in consumed):
+                    raise PlanError(
+                        f"{group.describe()}: output {name!r} already exists; "
+                        "rename or drop it first, or change the output pattern"
+                    )
+                produced.add(name)
+        shared, untied = self._judge_ties(group, consumed)
+
+        new_entries: dict[str, LazyTensor] = {}
+        done: dict[int, tuple[LazyTensor, ...]] = {}
+        for step in group.steps:
+            sources = tuple(table[n] for n in step.inputs)
+            if step.op.kind == "rename":
+                outputs: tuple[LazyTensor, ...] = sources
+            elif len(sources) == 1 and id(sources[0]) in shared and id(sources[0]) in done:
+                outputs = done[id(sources[0])]
+            else:
+                label = f"{group.describe()}: {', '.join(step.inputs)}"
+                computation = Computation(step.op, sources, step.output_specs, label)
+                outputs = tuple(
+                    ComputedTensor(spec, computation, k) for k, spec in enumerate(step.output_specs)
+                )
+                if len(sources) == 1:
+                    done[id(sources[0])] = outputs
+            new_entries.update(zip(step.outputs, outputs))
+        for name in consumed:
+            del table.entries[name]
+        table.entries.update(new_entries)
+        self.groups.append(replace(group, untied=untied))
+
+    def _judge_ties(
+        self, group: StepGroup, consumed: set[str]
+    ) -> tuple[set[int], tuple[tuple[str, ...], ...]]:
+        """Tie groups this rule treats alike (kept tied, by tensor id) and those it breaks
+        (allowed only with untie, else a TieError naming rule and group)."""
+        shared: set[int] = set()
+        untied = []
+        for members in self.table.ties():
+            hit = [m for m in members if m in consumed]
+            if not hit:
+                continue
+            kind = group.kind
+            if kind in ("rename", "drop"):
+                continue
+            unary = [s for s in group.steps if len(s.inputs) == 1 and s.inputs[0] in members]
+            if len(unary) == len(members) and len({s.op for s in unary}) == 1 and all(
+                len(s.outputs) == 1 for s in unary
+            ):
+                shared.add(id(self.table[members[0]]))
+                continue
+            if not self.untie:
+                rest = [m for m in members if m not in hit]
+                how = "consumes" if len(unary) < len(hit) else "changes"
+                raise TieError(
+                    f"{group.describe()} {how} {', '.join(repr(m) for m in hit)} but not "
+                    f"{', '.join(repr(m) for m in rest) or 'the same way'} of the tied group "
+                    f"{members}; this would break the tie. Pass --untie to write the other "
+                    "members as their own copies"
+                )
+            untied.append(tuple(members))
+        return shared, tuple(untied)
+
+
+def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
+    """Concrete steps for one rule against the current table (headers only)."""
+    names = table.names()
+    steps: list[Step] = []
+    for inputs, binding in _bindings(rule, names, table):
+        specs = tuple(table.spec(n) for n in inputs)
+        outputs = _outputs(rule, binding, specs)
+        try:
+            out_specs = tuple(rule.op.infer(specs, inputs))
+        except PlanError as e:
+            raise PlanError(f"{rule.describe()}: {e}") from None
+        steps.append(Step(rule.op, tuple(inputs), tuple(outputs), specs, out_specs))
+    if not steps and not rule.optional:
+        raise PlanError(
+            f"{rule.describe()} matches nothing: no tensor fits {rule.inputs[0].text!r}"
+            f"{_closest_hint(rule.inputs[0].text, names)}. Fix the pattern or set optional = true"
+        )
+    return steps
+
+
+def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
+    over = rule.over if rule.op.kind != "unstack" else None
+    if over is not None:
+        pattern = rule.inputs[0]
+        gathered: dict[tuple, list[tuple[str, str]]] = {}
+        for name in names:
+            b = _match(rule, pattern, name)
+            if b is not None:
+                key = tuple((k, v) for k, v in b.items() if k != over)
+                gathered.setdefault(key, []).append((b[over], name))
+        for key, items in sorted(gathered.items()):
+            numeric = all(v.isdigit() for v, _ in items)
+            items.sort(key=lambda item: (int(item[0]), item[0]) if numeric else (0, item[0]))
+            if rule.op.kind == "stack":
+                indices = [int(v) if v.isdigit() else None for v, _ in items]
+                if indices != list(range(len(items))):
+                    raise PlanError(
+                        f"{rule.describe()}: stacking over {{{over}}} needs indices 0..{len(items) - 1}, "
+                        f"found {[v for v, _ in items]} for {pattern.format({**dict(key), over: '*'})!r}"
+                    )
+            yield [n for _, n in items], dict(key)
+        return
+    bindings: dict[tuple, dict[str, str]] = {}
+    for pattern in rule.inputs:
+        for name in names:
+            b = _match(rule, pattern, name)
+            if b is not None:
+                bindings.setdefault(tuple(sorted(b.items())), b)
+    for _, binding in sorted(bindings.items()):
+        inputs = [p.format(binding) for p in rule.inputs]
+        for k, name in enumerate(inputs):
+            if name not in table and k not in rule.op.optional_inputs:
+                present = next(n for n in inputs if n in table)
+                raise PlanError(
+                    f"{rule.describe()}: {name!r} not found (the rule found {present!r})"
+                    f"{_closest_hint(name, names)}; check the pattern"
+                )
+        yield inputs, binding
+
+
+def _match(rule: Rule, pattern, name: str):
+    try:
+        return pattern.match(name)
+    except RuleError as e:
+        raise RuleError(f"{rule.describe()}: {e}") from None
+
+
+def _outputs(rule: Rule, binding: dict[str, str], specs: Sequence[TensorSpec]) -> list[str]:
+    if rule.op.kind == "unstack":
+        count = rule.op.output_count(specs)
+        return [rule.outputs[0].format({**binding, rule.over: str(k)}) for k in range(count)]
+    return [p.format(binding) for p in rule.outputs]
+
+
+def _closest_hint(name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f"; the checkpoint has {close[0]!r}" if close else ""
+
+
+def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False) -> tuple[Plan, ParamTable]:
+    """Bind ``rulesets`` in order to a copy of ``table``: the plan and the resulting table."""
+    planner = Planner(table.copy(), untie)
+    for ruleset in rulesets:
+        planner.apply_rules(ruleset)
+    return planner.plan(), planner.table
+
+
+def replay_plan(table: ParamTable, plan: Plan, what: str, untie: bool = False) -> ParamTable:
+    """Apply an existing plan's steps to a copy of ``table``; the resulting table."""
+    planner = Planner(table.copy(), untie)
+    planner.apply_plan(plan, what)
+    return planner.table
+
+
+def op_from_record(kind: str, params: dict) -> Op:
+    """Rebuild an op from its recorded kind and parameters (plans read back from JSON)."""
+    if kind not in OPS:
+        raise PlanError(f"recorded op {kind!r} is not known to this fusectl version")
+    return OPS[kind].from_params(params)

@@ -1,0 +1,36 @@
+"""Invert a rules file rule by rule (``fusectl unfuse -r``): reversed order, inverse ops."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import PlanError
+from .schema import Rule, RuleSet
+
+
+def invert_rule(rule: Rule) -> Rule:
+    """The rule that undoes ``rule``; PlanError naming it when rules alone cannot say how."""
+    kind = rule.op.kind
+    try:
+        op = rule.op.inverse(None)
+    except PlanError as e:
+        raise PlanError(f"{rule.describe()}: {e}") from None
+    if op is None:
+        raise PlanError(f"{rule.describe()} is one-way ({kind}); it cannot be undone")
+    if kind in ("stack", "unstack") and rule.over is None:
+        raise PlanError(
+            f"{rule.describe()}: a {kind} over an explicit list cannot be undone from the rule "
+            "alone; use over = \"placeholder\" or unfuse with the provenance"
+        )
+    if kind == "concat" and rule.over is not None:
+        raise PlanError(
+            f"{rule.describe()}: a concat over {{{rule.over}}} cannot be undone from the rule "
+            "alone; unfuse with the provenance instead of -r"
+        )
+    # every invertible op maps the forward rule's outputs back to its inputs
+    return replace(rule, name=f"{rule.name} (inverse)", op=op,
+                   inputs=rule.outputs, outputs=rule.inputs)
+
+
+def invert_ruleset(ruleset: RuleSet) -> RuleSet:
+    return replace(ruleset, rules=tuple(invert_rule(r) for r in reversed(ruleset.rules)))

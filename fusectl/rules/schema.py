@@ -1,0 +1,247 @@
+"""Rules files (TOML) → typed, validated rules. Every unknown key is an error."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from ..errors import RuleError
+from ..ops import OPS, Op
+from .patterns import Pattern
+from .variables import evaluate, resolve_variables
+
+_TOP_KEYS = {"version", "description", "vars", "ties", "rule"}
+_RULE_KEYS = {"name", "op", "optional", "over"}
+# op fields derived from the rule's own shape, never written by a user
+_DERIVED = {"parts"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule bound to its variables: patterns plus a concrete op."""
+
+    name: str
+    source: str
+    op: Op
+    inputs: tuple[Pattern, ...]
+    outputs: tuple[Pattern, ...]
+    over: str | None = None
+    optional: bool = False
+
+    def describe(self) -> str:
+        return f"rule {self.name!r} ({self.source})"
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """A loaded rules file: its rules in order and its declared ties."""
+
+    source: str
+    rules: tuple[Rule, ...]
+    ties: tuple[tuple[str, ...], ...] = ()
+    description: str = ""
+
+
+def load_rules(
+    text: str, source: str, config: Mapping[str, object] | None = None
+) -> RuleSet:
+    """Parse and validate a rules file; ``source`` names it in messages.
+
+    >>> rs = load_rules('version = 1\\n[[rule]]\\nop = "rename"\\ninput = "a.{x}"\\noutput = "b.{x}"', "r.toml")
+    >>> rs.rules[0].describe()
+    "rule '#1 rename' (r.toml)"
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RuleError(f"{source}: not valid TOML: {e}") from e
+    _no_unknown_keys(doc, _TOP_KEYS, source)
+    if doc.get("version") != 1:
+        raise RuleError(f"{source}: 'version = 1' is required (got {doc.get('version')!r})")
+    raw_vars = doc.get("vars", {})
+    if not isinstance(raw_vars, dict):
+        raise RuleError(f"{source}: [vars] must be a table")
+    variables = _LazyVariables(raw_vars, config, source)
+    ties = _load_ties(doc.get("ties", {}), source)
+    raw_rules = doc.get("rule", [])
+    if not isinstance(raw_rules, list):
+        raise RuleError(f"{source}: rules are written as [[rule]] tables")
+    rules = tuple(_load_rule(raw, k + 1, source, variables) for k, raw in enumerate(raw_rules))
+    description = doc.get("description", "")
+    if not isinstance(description, str):
+        raise RuleError(f"{source}: description must be a string")
+    return RuleSet(source, rules, ties, description)
+
+
+class _LazyVariables:
+    """Resolves ``[vars]`` on first use, so a file whose rules need no config loads without one."""
+
+    def __init__(self, raw: dict, config, source: str):
+        self._raw, self._config, self._source = raw, config, source
+        self._values: dict[str, int] | None = None
+
+    def value(self, expression: object, where: str) -> int:
+        if type(expression) is int:
+            return expression
+        if not isinstance(expression, str):
+            raise RuleError(f"{where}: {expression!r} must be an integer or a var name")
+        if self._values is None:
+            self._values = resolve_variables(self._raw, self._config, self._source)
+        values = self._values
+
+        def lookup(name: str) -> int:
+            if name not in values:
+                raise RuleError(f"{where}: {name!r} is not defined in [vars]")
+            return values[name]
+
+        return evaluate(expression, lookup, where)
+
+
+def _no_unknown_keys(table: Mapping, allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise RuleError(
+                f"{where}: unknown key {key!r}; allowed keys are {', '.join(sorted(allowed))}"
+            )
+
+
+def _load_ties(raw: object, source: str) -> tuple[tuple[str, ...], ...]:
+    if not isinstance(raw, dict):
+        raise RuleError(f"{source}: [ties] must be a table with 'groups'")
+    _no_unknown_keys(raw, {"groups"}, f"{source} [ties]")
+    groups = raw.get("groups", [])
+    if not isinstance(groups, list) or not all(
+        isinstance(g, list) and len(g) >= 2 and all(isinstance(n, str) for n in g) for g in groups
+    ):
+        raise RuleError(f"{source} [ties]: groups must be a list of lists of two or more names")
+    return tuple(tuple(g) for g in groups)
+
+
+def _patterns(raw: object, key: str, where: str) -> tuple[Pattern, ...]:
+    items = raw if isinstance(raw, list) else [raw]
+    if not items or not all(isinstance(p, str) for p in items):
+        raise RuleError(f"{where}: {key!r} must be a name pattern or a list of them")
+    try:
+        return tuple(Pattern.parse(p) for p in items)
+    except RuleError as e:
+        raise RuleError(f"{where}: {key!r}: {e}") from None
+
+
+def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) -> Rule:
+    where = f"{source}: rule #{index}"
+    if not isinstance(raw, dict):
+        raise RuleError(f"{where}: a [[rule]] must be a table")
+    kind = raw.get("op")
+    if kind not in OPS:
+        raise RuleError(f"{where}: op {kind!r} is not one of {', '.join(sorted(OPS))}")
+    op_cls = OPS[kind]
+    name = raw.get("name", f"#{index} {kind}")
+    if not isinstance(name, str):
+        raise RuleError(f"{where}: name must be a string")
+    where = f"rule {name!r} ({source})"
+
+    params = {f.name: f for f in dataclasses.fields(op_cls) if f.name not in _DERIVED}
+    io_keys = {op_cls.inputs_field} | ({op_cls.outputs_field} if op_cls.outputs_field else set())
+    if op_cls.inputs_field == "inputs":
+        io_keys.add("input")
+    if "inputs" in io_keys or kind == "unstack":
+        allowed = _RULE_KEYS | io_keys | set(params)
+    else:
+        allowed = (_RULE_KEYS - {"over"}) | io_keys | set(params)
+    _no_unknown_keys(raw, allowed, where)
+
+    over = raw.get("over")
+    if op_cls.inputs_field == "inputs":
+        if ("inputs" in raw) == ("input" in raw):
+            raise RuleError(f"{where}: give either 'inputs' (a list) or 'input' with 'over'")
+        if "input" in raw and over is None:
+            raise RuleError(f"{where}: 'input' gathers bindings only with 'over = \"placeholder\"'")
+        if "inputs" in raw and over is not None:
+            raise RuleError(f"{where}: 'over' goes with a single 'input' pattern, not 'inputs'")
+        inputs = _patterns(raw.get("inputs", raw.get("input")), op_cls.inputs_field, where)
+        if "inputs" in raw and len(inputs) < 2 and not isinstance(raw["inputs"], list):
+            raise RuleError(f"{where}: 'inputs' must be a list")
+    else:
+        if op_cls.inputs_field not in raw:
+            raise RuleError(f"{where}: missing {op_cls.inputs_field!r}")
+        inputs = _patterns(raw[op_cls.inputs_field], op_cls.inputs_field, where)
+        if len(inputs) != 1:
+            raise RuleError(f"{where}: {op_cls.inputs_field!r} must be one pattern")
+    outputs: tuple[Pattern, ...] = ()
+    if op_cls.outputs_field:
+        if op_cls.outputs_field not in raw:
+            raise RuleError(f"{where}: missing {op_cls.outputs_field!r}")
+        outputs = _patterns(raw[op_cls.outputs_field], op_cls.outputs_field, where)
+        if op_cls.outputs_field == "output" and len(outputs) != 1:
+            raise RuleError(f"{where}: 'output' must be one pattern")
+        if op_cls.outputs_field == "outputs" and not isinstance(raw["outputs"], list):
+            raise RuleError(f"{where}: 'outputs' must be a list")
+    optional = raw.get("optional", False)
+    if not isinstance(optional, bool):
+        raise RuleError(f"{where}: optional must be true or false")
+
+    _check_placeholders(inputs, outputs, over, kind, where)
+    op = _make_op(op_cls, raw, params, len(outputs), variables, where)
+    return Rule(name, source, op, inputs, outputs, over, optional)
+
+
+def _check_placeholders(inputs, outputs, over, kind, where) -> None:
+    bound = set().union(*(p.names for p in inputs))
+    for p in inputs[1:]:
+        if p.names != inputs[0].names:
+            raise RuleError(
+                f"{where}: inputs {inputs[0].text!r} and {p.text!r} use different placeholders; "
+                "every input of a rule must use the same ones"
+            )
+    if over is not None:
+        if not isinstance(over, str):
+            raise RuleError(f"{where}: over must be a placeholder name")
+        if kind == "unstack":
+            if over in bound:
+                raise RuleError(f"{where}: over = {over!r} must be a placeholder of the output, not the input")
+            if not outputs or over not in outputs[0].names:
+                raise RuleError(f"{where}: the output must contain {{{over}}} (over = {over!r})")
+            bound = bound | {over}
+        elif over not in bound:
+            raise RuleError(f"{where}: over = {over!r} is not a placeholder of the input")
+        else:
+            bound = bound - {over}
+    elif kind == "unstack":
+        raise RuleError(f"{where}: unstack needs over = \"placeholder\" naming the output's index")
+    for p in outputs:
+        unbound = p.names - bound
+        if unbound:
+            raise RuleError(
+                f"{where}: output {p.text!r} uses {{{sorted(unbound)[0]}}}, which no input binds"
+            )
+
+
+def _make_op(op_cls, raw, params, n_outputs, variables: _LazyVariables, where) -> Op:
+    values = {}
+    for key, field in params.items():
+        if key not in raw:
+            continue
+        values[key] = _convert(raw[key], field.type, variables, f"{where}: {key}")
+    if "parts" in {f.name for f in dataclasses.fields(op_cls)}:
+        values["parts"] = n_outputs
+    if values.get("sizes") is not None and op_cls.outputs_field == "outputs":
+        if len(values["sizes"]) != n_outputs:
+            raise RuleError(f"{where}: sizes has {len(values['sizes'])} entries for {n_outputs} outputs")
+    return op_cls(**values)
+
+
+def _convert(value, annotation: str, variables: _LazyVariables, where: str):
+    text = str(annotation)
+    if text.startswith("tuple"):
+        if not isinstance(value, list):
+            raise RuleError(f"{where}: expected a list, got {value!r}")
+        return tuple(variables.value(v, where) for v in value)
+    if text == "int":
+        return variables.value(value, where)
+    if text == "str":
+        if not isinstance(value, str):
+            raise RuleError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise RuleError(f"{where}: cannot read {value!r}")  # pragma: no cover - new field type

@@ -1,0 +1,84 @@
+"""The parameter table: structural name → unique parameter, with tie groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .errors import TieError
+from .tensors import LazyTensor, TensorSpec
+
+
+@dataclass
+class ParamTable:
+    """Structural names mapped to lazy tensors; names sharing one tensor object are tied.
+
+    >>> from fusectl.dtypes import BY_NAME
+    >>> from fusectl.tensors import FileTensor, ByteRange, TensorSpec
+    >>> t = FileTensor(TensorSpec(BY_NAME["F32"], (2,)), ByteRange("f", 0, 8), "emb.weight")
+    >>> table = ParamTable({"emb.weight": t, "head.weight": t}, {"emb.weight"})
+    >>> table.ties()
+    [['emb.weight', 'head.weight']]
+    >>> table.unique_name("head.weight")
+    'emb.weight'
+    """
+
+    entries: dict[str, LazyTensor] = field(default_factory=dict)
+    # names physically stored in the input: a tie group's unique name is one of them
+    stored: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, LazyTensor]) -> "ParamTable":
+        return cls(dict(stored), set(stored))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __getitem__(self, name: str) -> LazyTensor:
+        return self.entries[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def spec(self, name: str) -> TensorSpec:
+        return self.entries[name].spec
+
+    def aliases_of(self, name: str) -> list[str]:
+        """Every structural name tied to ``name`` (itself included), sorted."""
+        tensor = self.entries[name]
+        return sorted(n for n, t in self.entries.items() if t is tensor)
+
+    def groups(self) -> dict[int, list[str]]:
+        """Structural names grouped by unique tensor, keyed by the tensor's id."""
+        out: dict[int, list[str]] = {}
+        for name in sorted(self.entries):
+            out.setdefault(id(self.entries[name]), []).append(name)
+        return out
+
+    def ties(self) -> list[list[str]]:
+        """Tie groups (two or more names), each sorted, ordered by first name."""
+        return sorted(g for g in self.groups().values() if len(g) > 1)
+
+    def unique_name(self, name: str) -> str:
+        """The group's unique name: a stored member, else (and among several) the first sorted."""
+        members = self.aliases_of(name)
+        kept = [m for m in members if m in self.stored]
+        return (kept or members)[0]
+
+    def unique(self) -> list[tuple[str, LazyTensor]]:
+        """(unique name, tensor) for each unique parameter, in unique-name order."""
+        return sorted((self.unique_name(g[0]), self.entries[g[0]]) for g in self.groups().values())
+
+    def tie(self, names: Iterable[str], *, keep: str) -> None:
+        """Make every name in ``names`` refer to ``keep``'s tensor."""
+        tensor = self.entries[keep]
+        for name in names:
+            old = self.entries.get(name)
+            if old is not None and old is not tensor and old.spec != tensor.spec:
+                raise TieError(
+                    f"tie {sorted(names)}: {name!r} is {old.spec} but {keep!r} is {tensor.spec}"
+                )
+            self.entries[name] = tensor
+
+    def copy(self) -> "ParamTable":
+        return ParamTable(dict(self.entries), set(self.stored))

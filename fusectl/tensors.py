@@ -1,0 +1,82 @@
+"""Lazy tensors: dtype and shape known from headers, bytes read only when a step needs them."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import DType
+from .errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a plan knows about a tensor before reading it."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``length`` bytes of ``path`` starting at ``offset``."""
+
+    path: str
+    offset: int
+    length: int
+
+
+class LazyTensor:
+    """A tensor whose spec is known and whose data is produced on demand."""
+
+    spec: TensorSpec
+
+    def byte_ranges(self) -> tuple[ByteRange, ...] | None:
+        """The tensor's bytes as file ranges, when they can be copied without decoding."""
+        return None
+
+
+def read_ranges(ranges: tuple[ByteRange, ...], spec: TensorSpec) -> np.ndarray:
+    """Read file ranges into one fresh array of ``spec`` (positional reads, no mapping kept)."""
+    buffer = bytearray(spec.nbytes)
+    view = memoryview(buffer)
+    pos = 0
+    for r in ranges:
+        with open(r.path, "rb") as f:
+            got = os.preadv(f.fileno(), [view[pos : pos + r.length]], r.offset)
+        if got != r.length:
+            raise CheckpointError(
+                f"{r.path}: expected {r.length} bytes at offset {r.offset}, got {got}; "
+                "the file is truncated or changed while fusectl was reading it"
+            )
+        pos += r.length
+    return np.frombuffer(buffer, dtype=spec.dtype.numpy).reshape(spec.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class FileTensor(LazyTensor):
+    """A tensor stored as raw little-endian bytes in a file (safetensors, uncompressed npy)."""
+
+    spec: TensorSpec
+    location: ByteRange
+    stored_name: str
+
+    def byte_ranges(self) -> tuple[ByteRange, ...]:
+        return (self.location,)
+
+    def read(self) -> np.ndarray:
+        return read_ranges((self.location,), self.spec)
