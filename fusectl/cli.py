@@ -201,7 +201,10 @@ def _print_plan(plan: Plan, result: ParamTable) -> None:
     steps = plan.steps
     click.echo(f"plan: {len(plan.groups)} rule group(s), {len(steps)} step(s) (computed from headers)")
     for group in plan.groups:
-        click.echo(f"{group.describe()}: {group.kind} x{len(group.steps)}")
+        notes = [n for n, on in (("one-way", any(s.inverse() is None for s in group.steps)),
+                                  ("numeric", any(not s.op.exact for s in group.steps))) if on]
+        note = f" ({', '.join(notes)})" if notes else ""
+        click.echo(f"{group.describe()}: {group.kind} x{len(group.steps)}{note}")
         for step in group.steps:
             ins = ", ".join(f"{n} {s}" for n, s in zip(step.inputs, step.input_specs))
             outs = ", ".join(f"{n} {s}" for n, s in zip(step.outputs, step.output_specs))

@@ -53,7 +53,10 @@ class Materializer:
 
     def _compute(self, computation: Computation) -> list[np.ndarray]:
         arrays = [self.array(t) for t in computation.inputs]
-        outputs = computation.op.apply(arrays)
+        try:
+            outputs = computation.op.apply(arrays)
+        except ComputeError as e:
+            raise ComputeError(f"{computation.label}: {e}") from None
         for array, spec in zip(outputs, computation.output_specs, strict=True):
             if array.dtype != spec.dtype.numpy or array.shape != spec.shape:
                 raise ComputeError(

@@ -116,10 +116,17 @@ class Planner:
     groups: list[StepGroup] = field(default_factory=list)
 
     def apply_rules(self, ruleset: RuleSet) -> None:
+        applied = 0
         for rule in ruleset.rules:
             steps = bind_rule(rule, self.table)
             if steps:
                 self.apply_group(StepGroup(rule.name, rule.source, tuple(steps)))
+                applied += 1
+        if ruleset.rules and not applied:
+            raise PlanError(
+                f"{ruleset.source}: no rule matched any tensor of the checkpoint; "
+                "check that these rules fit this model"
+            )
 
     def apply_plan(self, plan: Plan, what: str) -> None:
         for group in plan.groups:
@@ -213,22 +220,25 @@ def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
     names = table.names()
     steps: list[Step] = []
     for inputs, binding in _bindings(rule, names, table):
+        op = rule.op.for_present([n is not None for n in inputs])
+        inputs = [n for n in inputs if n is not None]
         specs = tuple(table.spec(n) for n in inputs)
         outputs = _outputs(rule, binding, specs)
         try:
-            out_specs = tuple(rule.op.infer(specs, inputs))
+            out_specs = tuple(op.infer(specs, inputs))
         except PlanError as e:
             raise PlanError(f"{rule.describe()}: {e}") from None
-        steps.append(Step(rule.op, tuple(inputs), tuple(outputs), specs, out_specs))
+        steps.append(Step(op, tuple(inputs), tuple(outputs), specs, out_specs))
     if not steps and not rule.optional:
         raise PlanError(
-            f"{rule.describe()} matches nothing: no tensor fits {rule.inputs[0].text!r}"
+            f"{rule.describe()} matches nothing: no tensor fits {_first(rule).text!r}"
             f"{_closest_hint(rule.inputs[0].text, names)}. Fix the pattern or set optional = true"
         )
     return steps
 
 
 def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
+    patterns = [p for p in rule.inputs if p is not None]
     over = rule.over if rule.op.kind != "unstack" else None
     if over is not None:
         pattern = rule.inputs[0]
@@ -251,21 +261,29 @@ def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
             yield [n for _, n in items], dict(key)
         return
     bindings: dict[tuple, dict[str, str]] = {}
-    for pattern in rule.inputs:
+    for pattern in patterns:
         for name in names:
             b = _match(rule, pattern, name)
             if b is not None:
                 bindings.setdefault(tuple(sorted(b.items())), b)
     for _, binding in sorted(bindings.items()):
-        inputs = [p.format(binding) for p in rule.inputs]
+        inputs = [p.format(binding) if p is not None else None for p in rule.inputs]
         for k, name in enumerate(inputs):
-            if name not in table and k not in rule.op.optional_inputs:
-                present = next(n for n in inputs if n in table)
-                raise PlanError(
-                    f"{rule.describe()}: {name!r} not found (the rule found {present!r})"
-                    f"{_closest_hint(name, names)}; check the pattern"
-                )
+            if name is None or name in table:
+                continue
+            if k in rule.op.optional_inputs:
+                inputs[k] = None
+                continue
+            present = next(n for n in inputs if n is not None and n in table)
+            raise PlanError(
+                f"{rule.describe()}: {name!r} not found (the rule found {present!r})"
+                f"{_closest_hint(name, names)}; check the pattern"
+            )
         yield inputs, binding
+
+
+def _first(rule: Rule):
+    return next(p for p in rule.inputs if p is not None)
 
 
 def _match(rule: Rule, pattern, name: str):

@@ -71,6 +71,8 @@ def plan_to_json(plan: Plan) -> list[dict]:
                 {
                     "op": s.op.kind,
                     "params": s.op.params(),
+                    "exact": s.op.exact,
+                    "one_way": s.inverse() is None,
                     "inputs": list(s.inputs),
                     "outputs": list(s.outputs),
                     "input_specs": [_spec_json(x) for x in s.input_specs],

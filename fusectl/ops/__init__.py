@@ -2,7 +2,8 @@
 
 from .base import Op
 from .layout import LAYOUT_OPS
+from .reparam import REPARAM_OPS
 
-OPS: dict[str, type[Op]] = {op.kind: op for op in LAYOUT_OPS}
+OPS: dict[str, type[Op]] = {op.kind: op for op in LAYOUT_OPS + REPARAM_OPS}
 
 __all__ = ["OPS", "Op"]

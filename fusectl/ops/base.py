@@ -17,6 +17,7 @@ class Op:
 
     ``inputs_field`` / ``outputs_field`` say how a rule names its tensors: ``"input"`` (one
     pattern), ``"inputs"`` (a list, or one pattern with ``over``), ``"output"``, ``"outputs"``.
+    Ops whose tensors play distinct roles name them instead: ``named_inputs = ("g", "v")``.
     """
 
     kind: ClassVar[str]
@@ -25,8 +26,14 @@ class Op:
     outputs_field: ClassVar[str] = "output"
     # exact ops move bytes (bitwise for every dtype); numeric ones compute in float32/64
     exact: ClassVar[bool] = True
-    # tensors a rule may leave out (e.g. bn_fold's bias); by position in the inputs
+    named_inputs: ClassVar[tuple[str, ...]] = ()
+    named_outputs: ClassVar[tuple[str, ...]] = ()
+    # tensors a rule or a binding may lack (e.g. bn_fold's bias); by position in the inputs
     optional_inputs: ClassVar[frozenset[int]] = frozenset()
+
+    def for_present(self, present: Sequence[bool]) -> "Op":
+        """The op to run when some optional inputs are absent (they are left out of its inputs)."""
+        return self
 
     def infer(self, specs: Sequence[TensorSpec], names: Sequence[str]) -> list[TensorSpec]:
         """Check the inputs' dtypes and shapes and return the outputs' (PlanError naming

@@ -15,7 +15,7 @@ from .variables import evaluate, resolve_variables
 _TOP_KEYS = {"version", "description", "vars", "ties", "rule"}
 _RULE_KEYS = {"name", "op", "optional", "over"}
 # op fields derived from the rule's own shape, never written by a user
-_DERIVED = {"parts"}
+_DERIVED = {"parts", "has_bias"}
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Rule:
     name: str
     source: str
     op: Op
-    inputs: tuple[Pattern, ...]
+    inputs: tuple[Pattern | None, ...]  # None: an optional input the rule leaves out
     outputs: tuple[Pattern, ...]
     over: str | None = None
     optional: bool = False
@@ -143,41 +143,22 @@ def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) 
     where = f"rule {name!r} ({source})"
 
     params = {f.name: f for f in dataclasses.fields(op_cls) if f.name not in _DERIVED}
-    io_keys = {op_cls.inputs_field} | ({op_cls.outputs_field} if op_cls.outputs_field else set())
-    if op_cls.inputs_field == "inputs":
+    if op_cls.named_inputs:
+        io_keys = set(op_cls.named_inputs) | set(op_cls.named_outputs)
+    else:
+        io_keys = {op_cls.inputs_field} | ({op_cls.outputs_field} if op_cls.outputs_field else set())
+    if op_cls.inputs_field == "inputs" and not op_cls.named_inputs:
         io_keys.add("input")
     if "inputs" in io_keys or kind == "unstack":
         allowed = _RULE_KEYS | io_keys | set(params)
     else:
         allowed = (_RULE_KEYS - {"over"}) | io_keys | set(params)
     _no_unknown_keys(raw, allowed, where)
-
     over = raw.get("over")
-    if op_cls.inputs_field == "inputs":
-        if ("inputs" in raw) == ("input" in raw):
-            raise RuleError(f"{where}: give either 'inputs' (a list) or 'input' with 'over'")
-        if "input" in raw and over is None:
-            raise RuleError(f"{where}: 'input' gathers bindings only with 'over = \"placeholder\"'")
-        if "inputs" in raw and over is not None:
-            raise RuleError(f"{where}: 'over' goes with a single 'input' pattern, not 'inputs'")
-        inputs = _patterns(raw.get("inputs", raw.get("input")), op_cls.inputs_field, where)
-        if "inputs" in raw and len(inputs) < 2 and not isinstance(raw["inputs"], list):
-            raise RuleError(f"{where}: 'inputs' must be a list")
+    if op_cls.named_inputs:
+        inputs, outputs = _named_io(raw, op_cls, where)
     else:
-        if op_cls.inputs_field not in raw:
-            raise RuleError(f"{where}: missing {op_cls.inputs_field!r}")
-        inputs = _patterns(raw[op_cls.inputs_field], op_cls.inputs_field, where)
-        if len(inputs) != 1:
-            raise RuleError(f"{where}: {op_cls.inputs_field!r} must be one pattern")
-    outputs: tuple[Pattern, ...] = ()
-    if op_cls.outputs_field:
-        if op_cls.outputs_field not in raw:
-            raise RuleError(f"{where}: missing {op_cls.outputs_field!r}")
-        outputs = _patterns(raw[op_cls.outputs_field], op_cls.outputs_field, where)
-        if op_cls.outputs_field == "output" and len(outputs) != 1:
-            raise RuleError(f"{where}: 'output' must be one pattern")
-        if op_cls.outputs_field == "outputs" and not isinstance(raw["outputs"], list):
-            raise RuleError(f"{where}: 'outputs' must be a list")
+        inputs, outputs = _listed_io(raw, op_cls, over, where)
     optional = raw.get("optional", False)
     if not isinstance(optional, bool):
         raise RuleError(f"{where}: optional must be true or false")
@@ -187,7 +168,53 @@ def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) 
     return Rule(name, source, op, inputs, outputs, over, optional)
 
 
+def _single(raw: dict, key: str, where: str) -> Pattern:
+    if key not in raw:
+        raise RuleError(f"{where}: missing {key!r}")
+    patterns = _patterns(raw[key], key, where)
+    if len(patterns) != 1 or isinstance(raw[key], list):
+        raise RuleError(f"{where}: {key!r} must be one pattern")
+    return patterns[0]
+
+
+def _named_io(raw: dict, op_cls, where: str):
+    """Inputs and outputs named by role (g, v, weight, ...); absent optional inputs are None."""
+    inputs = tuple(
+        None if (k in op_cls.optional_inputs and key not in raw) else _single(raw, key, where)
+        for k, key in enumerate(op_cls.named_inputs)
+    )
+    outputs = tuple(_single(raw, key, where) for key in op_cls.named_outputs)
+    return inputs, outputs
+
+
+def _listed_io(raw: dict, op_cls, over, where: str):
+    """Inputs as ``input`` / ``inputs`` (or ``input`` + ``over``), outputs as ``output(s)``."""
+    if op_cls.inputs_field == "inputs":
+        if ("inputs" in raw) == ("input" in raw):
+            raise RuleError(f"{where}: give either 'inputs' (a list) or 'input' with 'over'")
+        if "input" in raw and over is None:
+            raise RuleError(f"{where}: 'input' gathers bindings only with 'over = \"placeholder\"'")
+        if "inputs" in raw and over is not None:
+            raise RuleError(f"{where}: 'over' goes with a single 'input' pattern, not 'inputs'")
+        if "inputs" in raw and not isinstance(raw["inputs"], list):
+            raise RuleError(f"{where}: 'inputs' must be a list")
+        inputs = _patterns(raw.get("inputs", raw.get("input")), op_cls.inputs_field, where)
+    else:
+        inputs = (_single(raw, op_cls.inputs_field, where),)
+    outputs: tuple[Pattern, ...] = ()
+    if op_cls.outputs_field == "output":
+        outputs = (_single(raw, "output", where),)
+    elif op_cls.outputs_field == "outputs":
+        if "outputs" not in raw:
+            raise RuleError(f"{where}: missing 'outputs'")
+        if not isinstance(raw["outputs"], list):
+            raise RuleError(f"{where}: 'outputs' must be a list")
+        outputs = _patterns(raw["outputs"], "outputs", where)
+    return inputs, outputs
+
+
 def _check_placeholders(inputs, outputs, over, kind, where) -> None:
+    inputs = [p for p in inputs if p is not None]
     bound = set().union(*(p.names for p in inputs))
     for p in inputs[1:]:
         if p.names != inputs[0].names:
@@ -243,5 +270,13 @@ def _convert(value, annotation: str, variables: _LazyVariables, where: str):
     if text == "str":
         if not isinstance(value, str):
             raise RuleError(f"{where}: expected a string, got {value!r}")
+        return value
+    if text == "float":
+        if type(value) not in (int, float):
+            raise RuleError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if text == "int | str":  # an integer, or a keyword such as "auto" / "none"
+        if type(value) is not int and not isinstance(value, str):
+            raise RuleError(f"{where}: expected an integer or a string, got {value!r}")
         return value
     raise RuleError(f"{where}: cannot read {value!r}")  # pragma: no cover - new field type

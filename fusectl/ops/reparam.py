@@ -1,0 +1,301 @@
+"""Reparametrization ops: weight_norm, spectral_norm and BatchNorm folding, as PyTorch computes them.
+
+Numeric ops compute in float32 (float64 for float64 inputs) and cast back to the stored dtype.
+Invalid data (a zero norm, σ ≤ 0, var + eps ≤ 0) is a ComputeError naming the tensor, never
+a NaN written to disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Sequence
+
+import numpy as np
+
+from ..errors import ComputeError, PlanError
+from ..tensors import TensorSpec
+from .base import Op
+
+
+def compute_dtype_of(dtype: np.dtype) -> np.dtype:
+    """float64 for float64 data, float32 for everything else (fp16, bf16, fp8 included)."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _as_compute(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array).astype(compute_dtype_of(array.dtype), copy=False)
+
+
+def _check_float(specs: Sequence[TensorSpec], names: Sequence[str], kind: str) -> None:
+    for spec, name in zip(specs, names):
+        if not spec.dtype.is_float:
+            raise PlanError(f"{name!r} is {spec.dtype}; {kind} needs floating-point tensors")
+
+
+def norm_except(v: np.ndarray, dim: int | None) -> np.ndarray:
+    """L2 norm over every axis but ``dim`` (kept as size-1 axes); the whole tensor when None."""
+    if dim is None:
+        return np.sqrt(np.sum(v * v))
+    axes = tuple(a for a in range(v.ndim) if a != dim)
+    return np.sqrt(np.sum(v * v, axis=axes, keepdims=True))
+
+
+def weight_norm_dim(g_shape: Sequence[int], v_shape: Sequence[int], g_name: str, v_name: str) -> int | None:
+    """``dim = "auto"``: the one axis where g is not 1; None (whole tensor) for 0-d or all-ones g."""
+    if len(g_shape) == 0:
+        return None
+    if len(g_shape) != len(v_shape):
+        raise PlanError(
+            f"{g_name!r} has shape {list(g_shape)} but {v_name!r} has {list(v_shape)}; "
+            "g must have v's rank (size-1 axes but one) or be 0-d"
+        )
+    axes = [a for a, d in enumerate(g_shape) if d != 1]
+    if not axes:
+        return None
+    if len(axes) > 1:
+        raise PlanError(f"{g_name!r} has shape {list(g_shape)}: more than one axis is not 1, so it is not a weight_norm g")
+    return axes[0]
+
+
+def _parse_dim(dim: int | str, where: str) -> int | str | None:
+    if dim == "none":
+        return None
+    if dim == "auto" or type(dim) is int:
+        return dim
+    raise PlanError(f"{where}: dim = {dim!r}; use an integer, \"auto\" or \"none\"")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightNormFold(Op):
+    """w = g · v / ‖v‖, the norm over every axis but ``dim`` (PyTorch ``_weight_norm``)."""
+
+    kind: ClassVar[str] = "weight_norm_fold"
+    summary: ClassVar[str] = "w = g * v / ||v|| (weight_norm)"
+    exact: ClassVar[bool] = False
+    named_inputs: ClassVar[tuple[str, ...]] = ("g", "v")
+    named_outputs: ClassVar[tuple[str, ...]] = ("output",)
+    dim: int | str = "auto"
+
+    def _dim(self, g: Sequence[int], v: Sequence[int], names) -> int | None:
+        dim = _parse_dim(self.dim, "weight_norm_fold")
+        auto = weight_norm_dim(g, v, names[0], names[1])
+        if dim == "auto":
+            return auto
+        if dim is not None and not -len(v) <= dim < len(v):
+            raise PlanError(f"{names[1]!r} has {len(v)} dimensions; dim {dim} is out of range")
+        dim = None if dim is None else dim % len(v)
+        expected = () if dim is None else tuple(d if a == dim else 1 for a, d in enumerate(v))
+        if tuple(g) != expected and not (dim is not None and auto == dim):
+            raise PlanError(f"{names[0]!r} has shape {list(g)}; with dim {self.dim} g must be {list(expected)}")
+        return dim
+
+    def infer(self, specs, names):
+        g, v = specs
+        _check_float(specs, names, "weight_norm_fold")
+        dim = self._dim(g.shape, v.shape, names)
+        if dim is not None and g.shape[dim] != v.shape[dim]:
+            raise PlanError(f"{names[0]!r} has {g.shape[dim]} entries along dim {dim}, {names[1]!r} has {v.shape[dim]}")
+        return [v]
+
+    def apply(self, arrays):
+        g, v = arrays
+        dim = self._dim(g.shape, v.shape, ("g", "v"))
+        gc, vc = _as_compute(g), _as_compute(v)
+        norm = norm_except(vc, dim)
+        if not np.all(norm > 0):
+            raise ComputeError("a slice of v has zero norm; weight_norm would divide by zero")
+        return [(vc * (gc / norm)).astype(v.dtype)]
+
+    def inverse(self, specs):
+        if specs is None:
+            if self.dim == "auto":
+                raise PlanError("weight_norm_fold with dim = \"auto\" cannot be undone from the rule alone; set dim or unfuse with the provenance")
+            return WeightNormUnfold(dim=self.dim)
+        dim = self._dim(specs[0].shape, specs[1].shape, ("g", "v"))
+        return WeightNormUnfold(dim="none" if dim is None else dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightNormUnfold(Op):
+    """g = ‖w‖ over every axis but ``dim``, v = w (what ``weight_norm`` does when applied)."""
+
+    kind: ClassVar[str] = "weight_norm_unfold"
+    summary: ClassVar[str] = "g = ||w||, v = w (weight_norm applied)"
+    exact: ClassVar[bool] = False
+    named_inputs: ClassVar[tuple[str, ...]] = ("input",)
+    named_outputs: ClassVar[tuple[str, ...]] = ("g", "v")
+    dim: int | str = 0
+
+    def _dim(self, shape: Sequence[int], name: str) -> int | None:
+        dim = _parse_dim(self.dim, "weight_norm_unfold")
+        if dim == "auto":
+            raise PlanError("weight_norm_unfold needs dim (an integer or \"none\"), not \"auto\"")
+        if dim is None:
+            return None
+        if not -len(shape) <= dim < len(shape):
+            raise PlanError(f"{name!r} has {len(shape)} dimensions; dim {dim} is out of range")
+        return dim % len(shape)
+
+    def output_count(self, specs):
+        return 2
+
+    def infer(self, specs, names):
+        (w,) = specs
+        _check_float(specs, names, "weight_norm_unfold")
+        dim = self._dim(w.shape, names[0])
+        g_shape = () if dim is None else tuple(d if a == dim else 1 for a, d in enumerate(w.shape))
+        return [TensorSpec(w.dtype, g_shape), w]
+
+    def apply(self, arrays):
+        (w,) = arrays
+        dim = self._dim(w.shape, "w")
+        return [norm_except(_as_compute(w), dim).astype(w.dtype), w]
+
+    def inverse(self, specs):
+        return WeightNormFold(dim=self.dim)
+
+
+def spectral_matrix(w: np.ndarray, dim: int) -> np.ndarray:
+    """W with axis ``dim`` moved first, reshaped to (W.shape[dim], -1)."""
+    return np.moveaxis(w, dim, 0).reshape(w.shape[dim], -1)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return float(abs(a @ b) / (na * nb)) if na > 0 and nb > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpectralNormFold(Op):
+    """w = W / σ with σ = u · (M v): eval-mode spectral_norm, no power iteration."""
+
+    kind: ClassVar[str] = "spectral_norm_fold"
+    summary: ClassVar[str] = "w = W / sigma, sigma = u . (M v) (spectral_norm, eval mode)"
+    exact: ClassVar[bool] = False
+    named_inputs: ClassVar[tuple[str, ...]] = ("weight", "u", "v")
+    named_outputs: ClassVar[tuple[str, ...]] = ("output",)
+    dim: int | str = "auto"
+
+    def candidate_dims(self, w: Sequence[int], u: Sequence[int], v: Sequence[int], names) -> list[int]:
+        if len(u) != 1 or len(v) != 1:
+            raise PlanError(f"{names[1]!r} and {names[2]!r} must be vectors (shapes {list(u)}, {list(v)})")
+        numel = int(np.prod(w))
+        if self.dim != "auto":
+            dim = _parse_dim(self.dim, "spectral_norm_fold")
+            if dim is None or not -len(w) <= dim < len(w):
+                raise PlanError(f"{names[0]!r} has {len(w)} dimensions; dim {self.dim} is invalid")
+            dims = [dim % len(w)]
+        else:
+            dims = [d for d in (0, 1) if d < len(w)]
+        fits = [d for d in dims if w[d] == u[0] and w[d] and numel // w[d] == v[0]]
+        if not fits:
+            raise PlanError(
+                f"{names[0]!r} has shape {list(w)}, but u has {u[0]} and v {v[0]} entries: "
+                f"no {'axis 0 or 1' if self.dim == 'auto' else f'dim {self.dim}'} fits"
+            )
+        return fits
+
+    def infer(self, specs, names):
+        _check_float(specs, names, "spectral_norm_fold")
+        self.candidate_dims(specs[0].shape, specs[1].shape, specs[2].shape, names)
+        return [specs[0]]
+
+    def apply(self, arrays):
+        w, u, v = arrays
+        wc, uc, vc = (_as_compute(a) for a in arrays)
+        dims = self.candidate_dims(w.shape, u.shape, v.shape, ("weight", "u", "v"))
+        if len(dims) > 1:
+            dims = self._consistent(wc, uc, vc, dims)
+        sigma = uc @ (spectral_matrix(wc, dims[0]) @ vc)
+        if not np.isfinite(sigma) or sigma <= 0:
+            raise ComputeError(f"σ = u·(M v) is {float(sigma)}; spectral_norm needs a positive finite σ")
+        return [(wc / sigma).astype(w.dtype)]
+
+    @staticmethod
+    def _consistent(w, u, v, dims) -> list[int]:
+        """Among axes that both fit, the one where (u, v) is a power-iteration pair."""
+        scores = {}
+        for d in dims:
+            m = spectral_matrix(w.astype(np.float64), d)
+            scores[d] = max(_cosine(u.astype(np.float64), m @ v), _cosine(v.astype(np.float64), m.T @ u))
+        best = max(scores, key=scores.get)
+        others = [scores[d] for d in dims if d != best]
+        if scores[best] < 1 - 1e-3 or any(s > 1 - 1e-3 for s in others):
+            raise ComputeError(
+                f"axes {dims} both fit u and v and neither decides (alignment {scores}); "
+                "set dim in the rule (1 for ConvTranspose, 0 otherwise)"
+            )
+        return [best]
+
+
+@dataclasses.dataclass(frozen=True)
+class BnFold(Op):
+    """Fold BatchNorm into the preceding conv / linear / conv_transpose layer."""
+
+    kind: ClassVar[str] = "bn_fold"
+    summary: ClassVar[str] = "fold BatchNorm into the preceding layer"
+    exact: ClassVar[bool] = False
+    named_inputs: ClassVar[tuple[str, ...]] = ("weight", "bias", "gamma", "beta", "mean", "var")
+    named_outputs: ClassVar[tuple[str, ...]] = ("output_weight", "output_bias")
+    optional_inputs: ClassVar[frozenset[int]] = frozenset({1})
+    eps: float = 1e-5
+    layer: str = "conv"
+    groups: int = 1
+    has_bias: bool = True
+
+    def for_present(self, present):
+        return dataclasses.replace(self, has_bias=bool(present[1]))
+
+    def _split(self, items):
+        items = list(items)
+        if not self.has_bias:
+            items.insert(1, None)
+        return items
+
+    def _channels(self, w: Sequence[int], name: str) -> int:
+        if self.layer not in ("conv", "linear", "conv_transpose"):
+            raise PlanError(f"bn_fold: layer = {self.layer!r}; use \"conv\", \"linear\" or \"conv_transpose\"")
+        if self.layer == "linear" and len(w) != 2:
+            raise PlanError(f"{name!r} has shape {list(w)}; a linear weight is (out, in)")
+        if len(w) < 2:
+            raise PlanError(f"{name!r} has shape {list(w)}; a conv weight has at least 2 dimensions")
+        if self.layer == "conv_transpose":
+            if self.groups <= 0 or w[0] % self.groups:
+                raise PlanError(f"{name!r}: {w[0]} input channels do not split into {self.groups} groups")
+            return w[1] * self.groups
+        return w[0]
+
+    def infer(self, specs, names):
+        specs, names = self._split(specs), self._split(names)
+        present = [(s, n) for s, n in zip(specs, names) if s is not None]
+        _check_float([s for s, _ in present], [n for _, n in present], "bn_fold")
+        w = specs[0]
+        channels = self._channels(w.shape, names[0])
+        for spec, name in zip(specs[1:], names[1:]):
+            if spec is not None and spec.shape != (channels,):
+                raise PlanError(f"{name!r} has shape {list(spec.shape)}; {names[0]!r} has {channels} output channels")
+        bias_dtype = specs[1].dtype if specs[1] is not None else w.dtype
+        return [w, TensorSpec(bias_dtype, (channels,))]
+
+    def apply(self, arrays):
+        w, b, gamma, beta, mean, var = self._split(arrays)
+        ct = compute_dtype_of(w.dtype)
+        wc = w.astype(ct)
+        gamma, beta, mean, var = (a.astype(ct) for a in (gamma, beta, mean, var))
+        bc = b.astype(ct) if b is not None else np.zeros_like(mean)
+        denominator = var + ct.type(self.eps)
+        if not np.all(denominator > 0):
+            raise ComputeError(f"var + eps is not positive for {int(np.sum(~(denominator > 0)))} channel(s)")
+        scale = gamma / np.sqrt(denominator)
+        if self.layer == "conv_transpose":
+            cin_g, cout_g = w.shape[0] // self.groups, w.shape[1]
+            i, j = np.meshgrid(np.arange(w.shape[0]), np.arange(cout_g), indexing="ij")
+            per = scale[(i // cin_g) * cout_g + j]
+            folded = wc * per.reshape(per.shape + (1,) * (w.ndim - 2))
+        else:
+            folded = wc * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+        bias = (bc - mean) * scale + beta
+        return [folded.astype(w.dtype), bias.astype(b.dtype if b is not None else w.dtype)]
+
+
+REPARAM_OPS: tuple[type[Op], ...] = (WeightNormFold, WeightNormUnfold, SpectralNormFold, BnFold)
