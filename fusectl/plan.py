@@ -169,7 +169,7 @@ class Planner:
             elif len(sources) == 1 and id(sources[0]) in shared and id(sources[0]) in done:
                 outputs = done[id(sources[0])]
             else:
-                label = f"{group.describe()}: {', '.join(step.inputs)}"
+                label = f"{group.describe()}: {_roles(step)}"
                 computation = Computation(step.op, sources, step.output_specs, label)
                 outputs = tuple(
                     ComputedTensor(spec, computation, k) for k, spec in enumerate(step.output_specs)
@@ -280,6 +280,14 @@ def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
                 f"{_closest_hint(name, names)}; check the pattern"
             )
         yield inputs, binding
+
+
+def _roles(step: Step) -> str:
+    """The step's inputs, with their roles for ops that name them (``var=bn1.running_var``)."""
+    roles = step.op.input_roles()
+    if len(roles) != len(step.inputs):
+        return ", ".join(step.inputs)
+    return ", ".join(f"{r}={n}" for r, n in zip(roles, step.inputs))
 
 
 def _first(rule: Rule):

@@ -191,15 +191,15 @@ def test_zero_norm_slice_is_an_error_naming_the_tensor(tmp_path):
 
 
 def test_nonpositive_sigma_is_an_error(tmp_path):
-    w = np.eye(3, dtype=np.float32)
+    w = np.eye(3, 2, dtype=np.float32)  # only axis 0 fits len(u) = 3
     _bad(tmp_path, {"lin.weight_orig": w, "lin.weight_u": np.array([1, 0, 0], np.float32),
-                    "lin.weight_v": np.array([-1, 0, 0], np.float32)}, "spectral-norm-fold", "lin.weight_orig")
+                    "lin.weight_v": np.array([-1, 0], np.float32)}, "spectral-norm-fold", "σ")
 
 
 def test_negative_variance_is_an_error(tmp_path):
     bn = {f"bn1.{k}": np.ones(2, np.float32) for k in ("weight", "bias", "running_mean")}
     bn["bn1.running_var"] = np.array([1.0, -1.0], np.float32)
-    _bad(tmp_path, {"conv1.weight": np.ones((2, 1, 1, 1), np.float32), **bn}, "conv-bn-fold", "conv1.weight")
+    _bad(tmp_path, {"conv1.weight": np.ones((2, 1, 1, 1), np.float32), **bn}, "conv-bn-fold", "var=bn1.running_var")
 
 
 def test_spectral_auto_dim_asks_for_dim_when_nothing_decides():

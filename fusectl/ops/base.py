@@ -35,6 +35,10 @@ class Op:
         """The op to run when some optional inputs are absent (they are left out of its inputs)."""
         return self
 
+    def input_roles(self) -> tuple[str, ...]:
+        """Role names of the inputs this op takes (empty for ops with positional inputs)."""
+        return self.named_inputs
+
     def infer(self, specs: Sequence[TensorSpec], names: Sequence[str]) -> list[TensorSpec]:
         """Check the inputs' dtypes and shapes and return the outputs' (PlanError naming
         the offending tensor when they do not fit)."""

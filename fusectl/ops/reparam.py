@@ -254,6 +254,9 @@ class BnFold(Op):
     def for_present(self, present):
         return dataclasses.replace(self, has_bias=bool(present[1]))
 
+    def input_roles(self):
+        return tuple(r for r in self.named_inputs if r != "bias" or self.has_bias)
+
     def _split(self, items):
         items = list(items)
         if not self.has_bias:
