@@ -12,7 +12,7 @@ import traceback
 import click
 
 from . import __version__
-from .errors import FusectlError, PlanError
+from .errors import FusectlError, PlanError, printable
 from .execute import write_table
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.output import parse_size
@@ -177,17 +177,21 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         return
     click.echo(f"{ckpt}: {c.format}, {len(c.files)} file(s), {report['unique_count']} unique "
                f"parameters, {_human(report['total_bytes'])}")
-    width = max((len(p["name"]) for p in report["parameters"]), default=0)
+    width = max((len(printable(p["name"])) for p in report["parameters"]), default=0)
     for p in report["parameters"]:
-        tie = f"  -> {p['unique']}" if p["unique"] != p["name"] else ""
-        click.echo(f"  {p['name']:<{width}}  {p['dtype']:<6} {str(p['shape']):<16}{tie}")
+        tie = f"  -> {printable(p['unique'])}" if p["unique"] != p["name"] else ""
+        click.echo(f"  {printable(p['name']):<{width}}  {p['dtype']:<6} {str(p['shape']):<16}{tie}")
     for group in report["ties"]:
-        click.echo(f"tied: {', '.join(group)}")
+        click.echo(f"tied: {_names(group)}")
     for group in report.get("suspected_ties", []):
-        click.echo(f"suspected tie (equal content): {', '.join(group)}; adopt with --detect-ties on fuse/plan or [ties] in a rules file")
+        click.echo(f"suspected tie (equal content): {_names(group)}; adopt with --detect-ties on fuse/plan or [ties] in a rules file")
     if c.provenance:
         click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
                    f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
+
+
+def _names(names) -> str:
+    return ", ".join(printable(n) for n in names)
 
 
 def _human(nbytes: int) -> str:
@@ -206,16 +210,16 @@ def _print_plan(plan: Plan, result: ParamTable) -> None:
         note = f" ({', '.join(notes)})" if notes else ""
         click.echo(f"{group.describe()}: {group.kind} x{len(group.steps)}{note}")
         for step in group.steps:
-            ins = ", ".join(f"{n} {s}" for n, s in zip(step.inputs, step.input_specs))
-            outs = ", ".join(f"{n} {s}" for n, s in zip(step.outputs, step.output_specs))
+            ins = ", ".join(f"{printable(n)} {s}" for n, s in zip(step.inputs, step.input_specs))
+            outs = ", ".join(f"{printable(n)} {s}" for n, s in zip(step.outputs, step.output_specs))
             click.echo(f"  {ins} -> {outs or '(dropped)'}")
         for members in group.untied:
-            click.echo(f"  untied (--untie): {', '.join(members)}")
+            click.echo(f"  untied (--untie): {_names(members)}")
     unique = result.unique()
     click.echo(f"result: {len(result.entries)} names, {len(unique)} unique parameters, "
                f"{_human(sum(t.spec.nbytes for _, t in unique))}")
     for group in result.ties():
-        click.echo(f"tied: {', '.join(group)}")
+        click.echo(f"tied: {_names(group)}")
 
 
 def _plan_json(plan: Plan, result: ParamTable) -> dict:

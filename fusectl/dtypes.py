@@ -18,10 +18,17 @@ class DType:
     safetensors: str
     numpy: np.dtype
     onnx: int | None
+    # bits per element; below 8 for safetensors' packed F4/F6 types, whose bytes fusectl
+    # can copy, rename or drop but not compute on (numpy has no packed sub-byte arrays)
+    bits: int = 0
 
     @property
     def itemsize(self) -> int:
         return self.numpy.itemsize
+
+    @property
+    def packed(self) -> bool:
+        return 0 < self.bits < 8
 
     @property
     def is_float(self) -> bool:
@@ -31,8 +38,8 @@ class DType:
         return self.safetensors
 
 
-def _d(name: str, np_type, onnx_type: int | None) -> DType:
-    return DType(name, np.dtype(np_type), onnx_type)
+def _d(name: str, np_type, onnx_type: int | None, bits: int = 0) -> DType:
+    return DType(name, np.dtype(np_type), onnx_type, bits or np.dtype(np_type).itemsize * 8)
 
 
 _ALL = [
@@ -50,16 +57,20 @@ _ALL = [
     _d("F32", np.float32, TensorProto.FLOAT),
     _d("F64", np.float64, TensorProto.DOUBLE),
     _d("C64", np.complex64, TensorProto.COMPLEX64),
-    _d("C128", np.complex128, TensorProto.COMPLEX128),
     _d("F8_E4M3", ml_dtypes.float8_e4m3fn, TensorProto.FLOAT8E4M3FN),
     _d("F8_E4M3FNUZ", ml_dtypes.float8_e4m3fnuz, TensorProto.FLOAT8E4M3FNUZ),
     _d("F8_E5M2", ml_dtypes.float8_e5m2, TensorProto.FLOAT8E5M2),
     _d("F8_E5M2FNUZ", ml_dtypes.float8_e5m2fnuz, TensorProto.FLOAT8E5M2FNUZ),
     _d("F8_E8M0", ml_dtypes.float8_e8m0fnu, getattr(TensorProto, "FLOAT8E8M0", None)),
+    _d("F4", np.uint8, None, bits=4),
+    _d("F6_E2M3", np.uint8, None, bits=6),
+    _d("F6_E3M2", np.uint8, None, bits=6),
 ]
 
 BY_NAME: dict[str, DType] = {d.safetensors: d for d in _ALL}
-_BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in _ALL}
+# the dtypes a numpy array can hold element by element (all but the packed sub-byte ones)
+ARRAY_DTYPES: dict[str, DType] = {n: d for n, d in BY_NAME.items() if not d.packed}
+_BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in reversed(_ALL) if not d.packed}
 
 
 def from_safetensors(name: str, where: str) -> DType:

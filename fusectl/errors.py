@@ -31,11 +31,19 @@ class ComputeError(FusectlError):
     """A step's data is invalid for its op (found while executing, e.g. a zero norm)."""
 
 
-def quote(name: str) -> str:
-    """Render a name read from a file safely for a terminal: control characters are escaped.
+def printable(name: str) -> str:
+    """``name`` with control characters escaped, for plain-text output.
 
-    >>> quote("a\\x1b[31mb")
-    "'a\\\\x1b[31mb'"
+    >>> print(printable("evil" + chr(7) + "name"))
+    evil\\x07name
     """
-    escaped = name.encode("unicode_escape").decode("ascii").replace("'", "\\'")
-    return f"'{escaped}'"
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
+
+
+def quote(name: str) -> str:
+    """A name read from a file, quoted and escaped for an error message.
+
+    >>> print(quote("a" + chr(27) + "[31mb"))
+    'a\\x1b[31mb'
+    """
+    return "'" + printable(name).replace("'", "\\'") + "'"

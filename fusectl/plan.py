@@ -41,7 +41,8 @@ class StepGroup:
     rule: str
     source: str
     steps: tuple[Step, ...]
-    untied: tuple[tuple[str, ...], ...] = ()
+    untied: tuple[tuple[str, ...], ...] = ()  # tie groups this rule broke (--untie)
+    retie: tuple[tuple[str, ...], ...] = ()  # groups an inverse ties again (exact steps only)
 
     @property
     def kind(self) -> str:
@@ -74,7 +75,10 @@ class Plan:
                         f"{', '.join(repr(n) for n in step.inputs)} cannot be undone"
                     )
                 steps.append(inverse)
-            groups.append(StepGroup(group.rule, group.source, tuple(steps)))
+            # undoing exact steps makes the untied copies bitwise equal again: tie them back
+            exact = all(s.op.exact for s in group.steps)
+            groups.append(StepGroup(group.rule, group.source, tuple(steps),
+                                    retie=group.untied if exact else ()))
         return Plan(tuple(groups))
 
     def __add__(self, other: "Plan") -> "Plan":
@@ -180,6 +184,11 @@ class Planner:
         for name in consumed:
             del table.entries[name]
         table.entries.update(new_entries)
+        for members in group.retie:
+            present = [m for m in members if m in table]
+            untouched = [m for m in present if m not in new_entries]
+            if len(present) > 1:
+                table.tie(present, keep=(untouched or present)[0])
         self.groups.append(replace(group, untied=untied))
 
     def _judge_ties(
@@ -223,9 +232,15 @@ def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
         op = rule.op.for_present([n is not None for n in inputs])
         inputs = [n for n in inputs if n is not None]
         specs = tuple(table.spec(n) for n in inputs)
-        outputs = _outputs(rule, binding, specs)
+        for name, spec in zip(inputs, specs):
+            if spec.dtype.packed and op.kind not in ("rename", "drop"):
+                raise PlanError(
+                    f"{rule.describe()}: {name!r} is {spec.dtype}, packed below one byte per "
+                    f"element; fusectl can rename, drop or copy it, not {op.kind} it"
+                )
         try:
             out_specs = tuple(op.infer(specs, inputs))
+            outputs = _outputs(rule, binding, specs)
         except PlanError as e:
             raise PlanError(f"{rule.describe()}: {e}") from None
         steps.append(Step(op, tuple(inputs), tuple(outputs), specs, out_specs))

@@ -25,7 +25,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.dtype.bits // 8
 
     def __str__(self) -> str:
         return f"{self.dtype}{list(self.shape)}"
@@ -64,6 +64,8 @@ def read_ranges(ranges: tuple[ByteRange, ...], spec: TensorSpec) -> np.ndarray:
                 "the file is truncated or changed while fusectl was reading it"
             )
         pos += r.length
+    if spec.dtype.packed:  # raw bytes: several elements share a byte
+        return np.frombuffer(buffer, dtype=np.uint8)
     return np.frombuffer(buffer, dtype=spec.dtype.numpy).reshape(spec.shape)
 
 

@@ -45,7 +45,7 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
     except (OSError, zipfile.BadZipFile) as e:
         raise CheckpointError(f"{path}: not a readable .npz archive ({e})") from e
     tensors: dict[str, LazyTensor] = {}
-    extras: dict[str, np.ndarray] = {}
+    extras: dict[str, bytes] = {}
     with zf, open(path, "rb") as raw:
         for info in zf.infolist():
             if not info.filename.endswith(".npy"):
@@ -55,10 +55,12 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
             try:
                 with zf.open(info) as f:
                     version = np.lib.format.read_magic(f)
-                    shape, fortran, dtype = np.lib.format._read_array_header(f, version)
+                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                                   else np.lib.format.read_array_header_2_0)
+                    shape, fortran, dtype = read_header(f)
                     header_end = f.tell()
                     if name in _RESERVED:
-                        extras[name] = np.lib.format.read_array(f, allow_pickle=False)
+                        extras[name] = f.read()
                         continue
             except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
                 raise CheckpointError(f"{where}: unreadable ({e})") from e
@@ -77,9 +79,9 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
                 tensors[name] = NpzMemberTensor(spec, path, info.filename, name)
     metadata: dict[str, str] = {}
     if METADATA_MEMBER in extras:
-        metadata = json.loads(bytes(extras[METADATA_MEMBER]).decode())
+        metadata = json.loads(extras[METADATA_MEMBER].decode())
     if DTYPES_MEMBER in extras:
-        real = json.loads(bytes(extras[DTYPES_MEMBER]).decode())
+        real = json.loads(extras[DTYPES_MEMBER].decode())
         for name, dtype_name in real.items():
             tensor = tensors[name]
             spec = TensorSpec(dtypes.from_safetensors(dtype_name, f"{path}: {quote(name)}"), tensor.spec.shape)
@@ -116,7 +118,7 @@ class NpzWriter:
         if not isinstance(data, np.ndarray):
             data = read_ranges(data, spec)
         if name in self._real_dtypes:
-            data = np.ascontiguousarray(data).view(_STORAGE_TYPE[spec.dtype.itemsize])
+            data = np.ascontiguousarray(data).reshape(spec.shape).view(_STORAGE_TYPE[spec.dtype.itemsize])
         self._put(name, data)
 
     def close(self) -> None:

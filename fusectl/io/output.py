@@ -45,9 +45,9 @@ def output_kind(path: str) -> str:
 @contextlib.contextmanager
 def atomic_output(path: str, *, force: bool, inputs: Sequence[str]) -> Iterator[str]:
     """Yield a temporary path beside ``path``; rename it into place only if the body succeeds."""
-    target = os.path.abspath(path)
+    target = os.path.realpath(path)
     for source in inputs:
-        source = os.path.abspath(source)
+        source = os.path.realpath(source)
         if target == source or source.startswith(target.rstrip(os.sep) + os.sep):
             raise OutputError(f"{path}: the output would overwrite the input {source}; choose another -o")
     if os.path.lexists(target) and not force:

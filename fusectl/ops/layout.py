@@ -31,6 +31,11 @@ def _declared_sizes(op: Op) -> tuple[int, ...]:
     return op.sizes
 
 
+def _non_negative(sizes: Sequence[int], name: str) -> None:
+    if any(s < 0 for s in sizes):
+        raise PlanError(f"{name!r}: sizes {list(sizes)} must not be negative")
+
+
 def _equal_sizes(total: int, parts: int, name: str, what: str) -> tuple[int, ...]:
     if parts <= 0 or total % parts:
         raise PlanError(f"{name!r}: length {total} along the {what} does not split into {parts} equal parts")
@@ -92,6 +97,7 @@ class Concat(Op):
                     f"{list(specs[0].shape)}; they must agree on every axis but {axis}"
                 )
         if self.sizes is not None:
+            _non_negative(self.sizes, names[0])
             if len(self.sizes) != len(specs):
                 raise PlanError(f"sizes {list(self.sizes)} name {len(self.sizes)} parts but there are {len(specs)} inputs")
             for size, spec, name in zip(self.sizes, specs, names):
@@ -132,6 +138,7 @@ class Split(Op):
         axis = normalize_axis(self.axis, len(spec.shape), name)
         if self.sizes is None:
             return _equal_sizes(spec.shape[axis], self.parts, name, f"axis {axis}")
+        _non_negative(self.sizes, name)
         if sum(self.sizes) != spec.shape[axis]:
             raise PlanError(
                 f"{name!r} has length {spec.shape[axis]} along axis {axis}, "
@@ -275,7 +282,7 @@ class Unstack(Op):
     axis: int = 0
 
     def output_count(self, specs):
-        return specs[0].shape[self.axis % len(specs[0].shape)]
+        return specs[0].shape[normalize_axis(self.axis, len(specs[0].shape), "input")]
 
     def infer(self, specs, names):
         axis = normalize_axis(self.axis, len(specs[0].shape), names[0])
@@ -314,7 +321,7 @@ class Transpose(Op):
         return [TensorSpec(spec.dtype, tuple(spec.shape[p] for p in self.perm))]
 
     def apply(self, arrays):
-        return [np.ascontiguousarray(np.transpose(arrays[0], self.perm))]
+        return [np.transpose(arrays[0], self.perm).copy(order="C")]
 
     def inverse(self, specs):
         return Transpose(perm=tuple(int(p) for p in np.argsort(self.perm)))

@@ -58,7 +58,7 @@ def load_rules(
     except tomllib.TOMLDecodeError as e:
         raise RuleError(f"{source}: not valid TOML: {e}") from e
     _no_unknown_keys(doc, _TOP_KEYS, source)
-    if doc.get("version") != 1:
+    if type(doc.get("version")) is not int or doc["version"] != 1:
         raise RuleError(f"{source}: 'version = 1' is required (got {doc.get('version')!r})")
     raw_vars = doc.get("vars", {})
     if not isinstance(raw_vars, dict):
@@ -134,13 +134,15 @@ def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) 
     if not isinstance(raw, dict):
         raise RuleError(f"{where}: a [[rule]] must be a table")
     kind = raw.get("op")
-    if kind not in OPS:
-        raise RuleError(f"{where}: op {kind!r} is not one of {', '.join(sorted(OPS))}")
-    op_cls = OPS[kind]
     name = raw.get("name", f"#{index} {kind}")
     if not isinstance(name, str):
         raise RuleError(f"{where}: name must be a string")
     where = f"rule {name!r} ({source})"
+    if "op" not in raw:
+        raise RuleError(f"{where}: missing 'op'; use one of {', '.join(sorted(OPS))}")
+    if kind not in OPS:
+        raise RuleError(f"{where}: op {kind!r} is not one of {', '.join(sorted(OPS))}")
+    op_cls = OPS[kind]
 
     params = {f.name: f for f in dataclasses.fields(op_cls) if f.name not in _DERIVED}
     if op_cls.named_inputs:

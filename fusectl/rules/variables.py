@@ -77,11 +77,15 @@ def resolve_variables(
             value = spec
         elif isinstance(spec, str):
             text = spec.strip()
-            if text.startswith("config:"):
+            from_config = text.startswith("config:")
+            if from_config:
                 text = text[len("config:"):].strip()
+            # a var's own name inside its expression is the config key ("hidden_size =
+            # 'config:hidden_size'"); any other var name refers to that var
             value = evaluate(
                 text,
-                lambda n: resolve(n) if n in raw else lookup_config(n, name),
+                lambda n: resolve(n) if n in raw and not (from_config and n == name)
+                else lookup_config(n, name),
                 f"{where}: var {name!r}",
             )
         else:

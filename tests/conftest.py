@@ -1,0 +1,201 @@
+"""Shared fixtures for fusectl's tests: fixture paths, a CLI runner, directory snapshots.
+
+Every test that writes copies its inputs into ``tmp_path`` first, so the committed fixtures
+are never at risk and each test proves on its own that an input stays byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fusectl.cli import main
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """The committed fixtures folder (read-only by convention: copy before writing near it)."""
+    return FIXTURES
+
+
+@pytest.fixture
+def copy_fixture(tmp_path):
+    """Copy a fixture (file or folder) into ``tmp_path/in/`` and return the copy's path."""
+
+    def copy(name: str, dest: str | None = None) -> Path:
+        src = FIXTURES / name
+        root = tmp_path / "in"
+        root.mkdir(exist_ok=True)
+        dst = root / (dest or name)
+        if src.is_dir():
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+        return dst
+
+    return copy
+
+
+@dataclass
+class Result:
+    """What one CLI run produced: exit code, stdout and stderr kept apart."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    exception: BaseException | None
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def json(self):
+        return json.loads(self.stdout)
+
+
+def run_cli(*args) -> Result:
+    """Run ``fusectl ARGS`` in-process through click's CliRunner (stdout and stderr apart)."""
+    runner = CliRunner()
+    result = runner.invoke(main, [str(a) for a in args], catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        # an escaped exception is a bug: the CLI must map every error to a message
+        stderr = result.stderr + f"\n[escaped exception: {type(result.exception).__name__}: {result.exception}]"
+    else:
+        stderr = result.stderr
+    return Result(result.exit_code, result.stdout, stderr, result.exception)
+
+
+@pytest.fixture
+def cli():
+    """``cli("fuse", path, "-r", "llama-qkv", "-o", out)`` → Result."""
+    return run_cli
+
+
+def ok(result: Result) -> Result:
+    """Assert a run succeeded, showing its stderr when it did not."""
+    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def snapshot(root) -> dict[str, str]:
+    """Every path under ``root`` (relative, files and folders) → sha256 of its bytes ('dir' for folders).
+
+    Comparing two snapshots proves that nothing was added, removed or changed.
+    """
+    root = Path(root)
+    out: dict[str, str] = {}
+    if root.is_file():
+        return {root.name: hashlib.sha256(root.read_bytes()).hexdigest()}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = "dir"
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def leftovers(folder) -> list[str]:
+    """Names in ``folder`` that a fusectl run leaves behind only by mistake (temp/old outputs)."""
+    return sorted(n for n in os.listdir(folder) if "fusectl-tmp" in n or "fusectl-old" in n)
+
+
+# ---------------------------------------------------------------- reading safetensors by hand
+
+
+def parse_safetensors(path) -> tuple[dict[str, tuple[str, list[int], bytes]], dict[str, str]]:
+    """An independent parser (no fusectl code): name → (dtype, shape, raw bytes), metadata."""
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    metadata = header.pop("__metadata__", {}) or {}
+    body = data[8 + n :]
+    tensors = {}
+    for name, entry in header.items():
+        b, e = entry["data_offsets"]
+        tensors[name] = (entry["dtype"], list(entry["shape"]), body[b:e])
+    return tensors, metadata
+
+
+def load_checkpoint_raw(path) -> dict[str, tuple[str, list[int], bytes]]:
+    """All stored tensors of a file, a sharded index or a Hugging Face folder, parsed by hand."""
+    path = Path(path)
+    if path.is_dir():
+        indexes = list(path.glob("*.safetensors.index.json"))
+        if indexes:
+            path = indexes[0]
+        else:
+            (path,) = list(path.glob("*.safetensors"))
+    if path.name.endswith(".index.json"):
+        index = json.loads(path.read_text())
+        out = {}
+        for shard in sorted(set(index["weight_map"].values())):
+            tensors, _ = parse_safetensors(path.parent / shard)
+            for name in tensors:
+                assert name not in out, f"{name} stored twice"
+            out.update(tensors)
+        assert set(out) == set(index["weight_map"]), "index and shards disagree"
+        return out
+    return parse_safetensors(path)[0]
+
+
+def metadata_of(path) -> dict[str, str]:
+    """``__metadata__`` of a single safetensors file or a folder's (index) metadata."""
+    path = Path(path)
+    if path.is_dir():
+        indexes = list(path.glob("*.safetensors.index.json"))
+        if indexes:
+            return json.loads(indexes[0].read_text()).get("metadata", {})
+        (path,) = list(path.glob("*.safetensors"))
+    return parse_safetensors(path)[1]
+
+
+def array_of(entry) -> np.ndarray:
+    """A parsed (dtype, shape, bytes) entry as a numpy array (ml_dtypes for bf16/fp8)."""
+    from fusectl.dtypes import BY_NAME
+
+    dtype, shape, raw = entry
+    return np.frombuffer(raw, dtype=BY_NAME[dtype].numpy).reshape(shape)
+
+
+def write_safetensors(path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                      dtype_names: dict[str, str] | None = None) -> Path:
+    """A safetensors file written by hand (so tests can build valid and broken inputs alike)."""
+    header: dict[str, object] = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    offset = 0
+    blobs = []
+    for name, array in tensors.items():
+        raw = np.ascontiguousarray(array).tobytes()
+        dtype = (dtype_names or {}).get(name) or _st_name(array.dtype)
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+        blobs.append(raw)
+    raw_header = json.dumps(header).encode()
+    raw_header += b" " * (-len(raw_header) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(raw_header)) + raw_header + b"".join(blobs))
+    return Path(path)
+
+
+def _st_name(dtype) -> str:
+    from fusectl.dtypes import from_numpy
+
+    return from_numpy(np.dtype(dtype), "test").safetensors
+
+
+def write_rules(path, text: str) -> Path:
+    Path(path).write_text(text)
+    return Path(path)
