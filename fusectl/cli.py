@@ -118,6 +118,16 @@ def _prepared_table(ckpt: Checkpoint, rulesets: list[RuleSet], adopt_detected: b
     return table
 
 
+def _forward_plan(ckpt, rules, config_path, untie, adopt) -> tuple[Checkpoint, Plan, ParamTable]:
+    """Open CKPT and bind RULES to it: the checkpoint, the plan and the resulting table."""
+    if not rules:
+        raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
+    c = open_checkpoint(ckpt, config_path)
+    rulesets = _load_rulesets(c, rules)
+    plan, result = make_plan(_prepared_table(c, rulesets, adopt), rulesets, untie)
+    return c, plan, result
+
+
 def _parameters_json(table: ParamTable) -> list[dict]:
     return [
         {
@@ -146,6 +156,10 @@ rules_option = click.option("-r", "--rules", "rules", multiple=True, metavar="RU
 config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                              help="config.json for config: variables (default: the one beside CKPT).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+untie_option = click.option("--untie", is_flag=True,
+                            help="Allow rules that break a tie (other members become copies).")
+adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
+                            help="Adopt tensors with equal content as ties.")
 
 
 @command(main, "inspect")
@@ -230,8 +244,8 @@ def _plan_json(plan: Plan, result: ParamTable) -> dict:
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @json_option
-@click.option("--untie", is_flag=True, help="Allow rules that break a tie (other members become copies).")
-@click.option("--detect-ties", "adopt", is_flag=True, help="Adopt tensors with equal content as ties.")
+@untie_option
+@adopt_option
 @config_option
 def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
     """Show what RULES would do to CKPT, from headers alone.
@@ -240,11 +254,7 @@ def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
     Example:
       fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
     """
-    if not rules:
-        raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    c = open_checkpoint(ckpt, config_path)
-    rulesets = _load_rulesets(c, rules)
-    plan, result = make_plan(_prepared_table(c, rulesets, adopt), rulesets, untie)
+    _, plan, result = _forward_plan(ckpt, rules, config_path, untie, adopt)
     if as_json:
         _emit_json(_plan_json(plan, result))
     else:
@@ -299,8 +309,8 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @with_output_options
-@click.option("--untie", is_flag=True, help="Allow rules that break a tie (other members become copies).")
-@click.option("--detect-ties", "adopt", is_flag=True, help="Adopt tensors with equal content as ties.")
+@untie_option
+@adopt_option
 @config_option
 @json_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, config_path, as_json):
@@ -311,11 +321,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, confi
       fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
     """
     started = time.monotonic()
-    if not rules:
-        raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    c = open_checkpoint(ckpt, config_path)
-    rulesets = _load_rulesets(c, rules)
-    plan, result = make_plan(_prepared_table(c, rulesets, adopt), rulesets, untie)
+    c, plan, result = _forward_plan(ckpt, rules, config_path, untie, adopt)
     history = c.provenance.plan if c.provenance else Plan()
     _write(c, result, history + plan, out, max_shard_size, force, quiet, as_json, started)
 
@@ -324,7 +330,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, confi
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @with_output_options
-@click.option("--untie", is_flag=True, help="Allow steps that break a tie.")
+@untie_option
 @config_option
 @json_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, config_path, as_json):
