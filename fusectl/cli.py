@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
 import sys
 import time
@@ -49,6 +50,9 @@ class FusectlGroup(click.Group):
             _fail(ctx, "terminated; no output was written", code=143)
         except KeyboardInterrupt:
             _fail(ctx, "interrupted; no output was written", code=130)
+        except BrokenPipeError:  # stdout closed early (| head): stop quietly like other tools
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(141)
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
             _fail(ctx, f"{where}{e.strerror or e}; check the path, permissions and free space")
