@@ -268,8 +268,9 @@ def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
 output_options = [
     click.option("-o", "--output", "out", required=True, type=click.Path(),
                  help="Output: FILE.safetensors, FILE.npz, or a folder (Hugging Face layout)."),
-    click.option("--max-shard-size", default="5GB", show_default=True,
-                 help="Shard a folder output when it is larger than this."),
+    click.option("--max-shard-size", default=None,
+                 help="Cut a folder output into shards of at most this size (e.g. 5GB). "
+                      "Default: keep a sharded input's shards, else 5GB."),
     click.option("--force", is_flag=True, help="Replace an existing output."),
     click.option("--quiet", is_flag=True, help="No progress on stderr."),
 ]
@@ -287,7 +288,7 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
         inputs=[c.path, *c.files],
         passthrough=c.metadata,
         companions=c.companions,
-        max_shard_size=parse_size(max_shard_size),
+        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
         force=force,
         progress=False if quiet else None,
     )

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-from onnx import TensorProto
 
 from .errors import CheckpointError
 
@@ -38,6 +37,16 @@ class DType:
         return self.safetensors
 
 
+class TensorProto:
+    """ONNX ``TensorProto.DataType`` numbers (fixed by the ONNX spec; a test checks them against
+    the onnx package). Spelled out so that reading and writing checkpoints never imports onnx."""
+
+    FLOAT, UINT8, INT8, UINT16, INT16, INT32, INT64 = 1, 2, 3, 4, 5, 6, 7
+    BOOL, FLOAT16, DOUBLE, UINT32, UINT64, COMPLEX64 = 9, 10, 11, 12, 13, 14
+    BFLOAT16, FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ = 16, 17, 18, 19, 20
+    FLOAT8E8M0 = 24
+
+
 def _d(name: str, np_type, onnx_type: int | None, bits: int = 0) -> DType:
     return DType(name, np.dtype(np_type), onnx_type, bits or np.dtype(np_type).itemsize * 8)
 
@@ -61,7 +70,7 @@ _ALL = [
     _d("F8_E4M3FNUZ", ml_dtypes.float8_e4m3fnuz, TensorProto.FLOAT8E4M3FNUZ),
     _d("F8_E5M2", ml_dtypes.float8_e5m2, TensorProto.FLOAT8E5M2),
     _d("F8_E5M2FNUZ", ml_dtypes.float8_e5m2fnuz, TensorProto.FLOAT8E5M2FNUZ),
-    _d("F8_E8M0", ml_dtypes.float8_e8m0fnu, getattr(TensorProto, "FLOAT8E8M0", None)),
+    _d("F8_E8M0", ml_dtypes.float8_e8m0fnu, TensorProto.FLOAT8E8M0),
     _d("F4", np.uint8, None, bits=4),
     _d("F6_E2M3", np.uint8, None, bits=6),
     _d("F6_E3M2", np.uint8, None, bits=6),

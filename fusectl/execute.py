@@ -9,12 +9,13 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .errors import ComputeError
-from .io.output import atomic_output, open_writer, output_kind
+from .io.output import atomic_output, open_writer, output_kind, plan_shards
+from .io.safetensors_file import PAGE
 from .io.provenance import METADATA_KEY, Provenance
 from .plan import Computation, ComputedTensor, Plan
 from .progress import Progress
 from .table import ParamTable
-from .tensors import LazyTensor, TensorSpec
+from .tensors import ByteRange, LazyTensor, TensorSpec
 
 
 class Materializer:
@@ -99,23 +100,32 @@ def write_table(
     inputs: Sequence[str],
     passthrough: Mapping[str, str],
     companions: Sequence[str] = (),
-    max_shard_size: int = 5 * 10**9,
+    max_shard_size: int | None = None,
     force: bool = False,
     progress: bool | None = None,
 ) -> WriteReport:
-    """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily."""
-    unique = table.unique()
-    entries = [(name, tensor.spec) for name, tensor in unique]
-    shard_metadata, index_metadata = output_metadata(table, plan, passthrough)
+    """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily.
+
+    Tensors are written in the order their bytes come from the input, so reads are sequential.
+    A folder output is cut into shards of ``max_shard_size``; when that is None, a sharded
+    input's shards are mirrored (each tensor goes with the input shard its bytes come from),
+    else one 5 GB cap applies. Each file's header is padded so that the first copied tensor
+    keeps its position within a page.
+    """
+    unique = sorted(table.unique(), key=lambda item: _source_key(item[1]))
     kind = output_kind(out)
+    shards = _cut_shards(unique, kind, max_shard_size)
+    alignments = [_page_offset(shard) for shard in shards]
+    entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
+    shard_metadata, index_metadata = output_metadata(table, plan, passthrough)
     materializer = Materializer([t for _, t in unique])
-    bar = Progress("writing", sum(s.nbytes for _, s in entries), progress)
+    bar = Progress("writing", sum(t.spec.nbytes for _, t in unique), progress)
     copied = 0
     with atomic_output(out, force=force, inputs=inputs) as temp:
-        writer = open_writer(kind, temp, entries, shard_metadata, index_metadata,
-                             max_shard_size, companions if kind == "folder" else ())
+        writer = open_writer(kind, temp, entry_shards, shard_metadata, index_metadata,
+                             companions if kind == "folder" else (), alignments)
         try:
-            for name, tensor in unique:
+            for name, tensor in (item for shard in shards for item in shard):
                 ranges = tensor.byte_ranges()
                 if ranges is not None:
                     writer.write(name, ranges)
@@ -129,6 +139,52 @@ def write_table(
             raise
         finally:
             bar.finish()
-    return WriteReport(out, len(entries), sum(s.nbytes for _, s in entries), copied)
+    return WriteReport(out, len(unique), sum(t.spec.nbytes for _, t in unique), copied)
+
+
+DEFAULT_SHARD_SIZE = 5 * 10**9
+
+
+def _source(tensor: LazyTensor) -> ByteRange | None:
+    """Where a tensor's first bytes come from: its own file range or its first input's."""
+    ranges = tensor.byte_ranges()
+    if ranges:
+        return ranges[0]
+    if isinstance(tensor, ComputedTensor):
+        for t in tensor.computation.inputs:
+            found = _source(t)
+            if found is not None:
+                return found
+    return None
+
+
+def _source_key(tensor: LazyTensor) -> tuple:
+    src = _source(tensor)
+    return (0, src.path, src.offset) if src else (1, "", 0)
+
+
+def _cut_shards(unique, kind: str, max_shard_size: int | None):
+    if kind != "folder":
+        return [unique]
+    if max_shard_size is None:
+        files = {src.path for _, t in unique if (src := _source(t)) is not None}
+        if len(files) > 1:  # a sharded input: keep its sharding
+            shards: dict[str, list] = {}
+            for name, tensor in unique:
+                src = _source(tensor)
+                shards.setdefault(src.path if src else "", []).append((name, tensor))
+            return list(shards.values())
+        max_shard_size = DEFAULT_SHARD_SIZE
+    cut = plan_shards([(name, tensor.spec) for name, tensor in unique], max_shard_size)
+    by_name = dict(unique)
+    return [[(name, by_name[name]) for name, _ in shard] for shard in cut]
+
+
+def _page_offset(shard) -> int | None:
+    for _, tensor in shard:
+        ranges = tensor.byte_ranges()
+        if ranges:
+            return ranges[0].offset % PAGE
+    return None
 
 

@@ -364,8 +364,22 @@ def test_bf16_read_through_library_header_reader(cli, copy_fixture, tmp_path):
 def test_unsharded_output_when_under_max_shard_size(cli, copy_fixture, tmp_path):
     src = copy_fixture(BF16)
     fused = tmp_path / "fused"
-    ok(cli("fuse", src, "-r", "llama-qkv", "-o", fused))
+    ok(cli("fuse", src, "-r", "llama-qkv", "-o", fused, "--max-shard-size", "5GB"))
     assert sorted(n for n in os.listdir(fused) if "safetensors" in n) == ["model.safetensors"]
+
+
+def test_sharded_input_keeps_its_sharding_by_default(cli, copy_fixture, tmp_path):
+    src = copy_fixture(BF16)
+    fused = tmp_path / "fused"
+    ok(cli("fuse", src, "-r", "llama-qkv", "-o", fused))
+    shards = sorted(n for n in os.listdir(fused) if n.endswith(".safetensors"))
+    assert shards == sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    index = json.loads((fused / "model.safetensors.index.json").read_text())
+    source = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    # every tensor that passed through unchanged stays in the shard it came from
+    for name, shard in index["weight_map"].items():
+        if name in source:
+            assert shard == source[name], name
 
 
 # ------------------------------------------------------------------------------------- phi3

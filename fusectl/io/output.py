@@ -81,15 +81,15 @@ def _remove(path: str) -> None:
 class FolderWriter:
     """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
 
-    def __init__(self, folder: str, entries: Sequence[tuple[str, TensorSpec]],
-                 shard_metadata, index_metadata: Mapping[str, str], max_shard_size: int,
-                 companions: Sequence[str]):
+    def __init__(self, folder: str, shards: Sequence[Sequence[tuple[str, TensorSpec]]],
+                 shard_metadata, index_metadata: Mapping[str, str],
+                 companions: Sequence[str], alignments: Sequence[int | None]):
         os.makedirs(folder)
         for companion in companions:
             shutil.copy2(companion, os.path.join(folder, os.path.basename(companion)))
-        shards = plan_shards(entries, max_shard_size)
         self._folder = folder
-        self._total = sum(s.nbytes for _, s in entries)
+        self._alignments = alignments
+        self._total = sum(s.nbytes for shard in shards for _, s in shard)
         if len(shards) == 1:
             files = ["model.safetensors"]
             metadata = {**shard_metadata(shards[0]), **index_metadata}
@@ -115,7 +115,8 @@ class FolderWriter:
                 self._writer.close()
             self._current = k
             self._writer = SafetensorsWriter(
-                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]
+                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k],
+                self._alignments[k],
             )
         self._writer.write(name, data)
 
@@ -147,10 +148,16 @@ def plan_shards(entries: Sequence[tuple[str, TensorSpec]], max_size: int) -> lis
     return shards
 
 
-def open_writer(kind: str, path: str, entries, shard_metadata, index_metadata, max_shard_size, companions):
-    """A writer for ``kind``; ``shard_metadata(shard_entries)`` gives each file's metadata."""
+def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, companions, alignments):
+    """A writer for ``kind``; ``shard_metadata(shard_entries)`` gives each file's metadata.
+
+    ``shards`` are the entries cut into files (one for a single-file output) and
+    ``alignments`` the page offset each file's data should start at (None: no preference).
+    """
     if kind == "safetensors":
-        return SafetensorsWriter(path, entries, {**shard_metadata(entries), **index_metadata})
+        (entries,) = shards
+        return SafetensorsWriter(path, entries, {**shard_metadata(entries), **index_metadata}, alignments[0])
     if kind == "npz":
+        (entries,) = shards
         return NpzWriter(path, entries, {**shard_metadata(entries), **index_metadata})
-    return FolderWriter(path, entries, shard_metadata, index_metadata, max_shard_size, companions)
+    return FolderWriter(path, shards, shard_metadata, index_metadata, companions, alignments)

@@ -91,8 +91,18 @@ def read_header(path: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
     return tensors, metadata
 
 
-def header_bytes(entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]) -> bytes:
-    """The 8-byte length plus JSON header for tensors laid out back to back in this order."""
+PAGE = 4096
+
+
+def header_bytes(
+    entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str], align_to: int | None = None
+) -> bytes:
+    """The 8-byte length plus JSON header for tensors laid out back to back in this order.
+
+    ``align_to``: pad the header (with spaces, as the format allows) so that the data starts at
+    this offset modulo a page; a tensor copied from a file where it sat at the same position
+    within a page is then copied page-aligned, which the kernel does markedly faster.
+    """
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -106,18 +116,21 @@ def header_bytes(entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[st
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % ALIGNMENT)
+    if align_to is not None and (align_to - 8 - len(raw)) % ALIGNMENT == 0:
+        raw += b" " * ((align_to - 8 - len(raw)) % PAGE)
     return struct.pack("<Q", len(raw)) + raw
 
 
 class SafetensorsWriter:
     """Writes one safetensors file: header first, then tensors in the declared order."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]):
+    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]],
+                 metadata: Mapping[str, str], align_to: int | None = None):
         self.path = path
         self._pending = list(entries)
         # unbuffered, so array writes and kernel range copies share one file offset
         self._file: BinaryIO = open(path, "wb", buffering=0)
-        write_all(self._file.fileno(), header_bytes(entries, metadata))
+        write_all(self._file.fileno(), header_bytes(entries, metadata, align_to))
 
     def write(self, name: str, data: np.ndarray | tuple[ByteRange, ...]) -> None:
         expected, spec = self._pending.pop(0)

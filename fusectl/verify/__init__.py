@@ -1,0 +1,1 @@
+"""Verification: compare arrays with tolerances, run models on onnxruntime, report."""
