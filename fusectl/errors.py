@@ -27,6 +27,10 @@ class OutputError(FusectlError):
     """The output cannot be written (exists without --force, would overwrite an input)."""
 
 
+class VerifyError(FusectlError):
+    """Verification cannot run (bad model, unavailable provider, mismatched inputs); not a difference."""
+
+
 class ComputeError(FusectlError):
     """A step's data is invalid for its op (found while executing, e.g. a zero norm)."""
 

@@ -131,18 +131,31 @@ class SafetensorsWriter:
         # unbuffered, so array writes and kernel range copies share one file offset
         self._file: BinaryIO = open(path, "wb", buffering=0)
         write_all(self._file.fileno(), header_bytes(entries, metadata, align_to))
+        # consecutive file ranges are merged into one kernel copy (fewer, larger copies)
+        self._ranges: list[ByteRange] = []
 
     def write(self, name: str, data: np.ndarray | tuple[ByteRange, ...]) -> None:
         expected, spec = self._pending.pop(0)
         assert name == expected, f"writer expected {expected!r}, got {name!r}"
         if isinstance(data, np.ndarray):
             assert data.dtype == spec.dtype.numpy and data.shape == spec.shape, (name, data.dtype, data.shape, spec)
+            self._flush()
             write_all(self._file.fileno(), np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
-        else:
-            copy_ranges(data, self._file.fileno())
+            return
+        for r in data:
+            last = self._ranges[-1] if self._ranges else None
+            if last and last.path == r.path and last.offset + last.length == r.offset:
+                self._ranges[-1] = ByteRange(r.path, last.offset, last.length + r.length)
+            else:
+                self._ranges.append(r)
+
+    def _flush(self) -> None:
+        copy_ranges(self._ranges, self._file.fileno())
+        self._ranges = []
 
     def close(self) -> None:
         assert not self._pending, f"{len(self._pending)} tensors were never written"
+        self._flush()
         self._file.close()
 
     def abort(self) -> None:

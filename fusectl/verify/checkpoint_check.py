@@ -1,0 +1,121 @@
+"""``verify REFERENCE CANDIDATE`` on checkpoints: replay the plan on the reference and compare.
+
+1. every tensor of the replayed reference against the candidate (bitwise where every step
+   that made it is exact, with the dtype's tolerance where a numeric step took part);
+2. where every step is invertible, the inverse of the candidate against the reference;
+3. every tie of the (replayed) reference is a tie of the candidate;
+4. each step kind once per distinct shape as a small onnxruntime computation: the layer on
+   the unfused parameters vs the layer on the fused ones (``probes``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import PlanError, VerifyError
+from ..execute import Materializer
+from ..io.checkpoint import Checkpoint
+from ..plan import ComputedTensor, Plan, make_plan, replay_plan
+from ..table import ParamTable
+from ..tensors import LazyTensor
+from .compare import compare
+from .probes import run_probes
+from .report import Check, VerifyReport
+
+
+def _exact(tensor: LazyTensor) -> bool:
+    """Whether every step that produced ``tensor`` moves bytes only."""
+    if not isinstance(tensor, ComputedTensor):
+        return True
+    return tensor.computation.op.exact and all(_exact(t) for t in tensor.computation.inputs)
+
+
+def _bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and (
+        np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
+        == np.ascontiguousarray(b).reshape(-1).view(np.uint8).tobytes()
+    )
+
+
+def compare_tables(kind: str, expected: ParamTable, actual: ParamTable,
+                   atol: float | None, rtol: float | None) -> list[Check]:
+    """Tensor by tensor: names, dtypes and shapes, then data (bitwise or within tolerance)."""
+    checks = []
+    for name in sorted(set(expected.names()) ^ set(actual.names())):
+        side = "candidate" if name in expected else "reference after the plan"
+        checks.append(Check(kind, name, False, detail=f"missing from the {side}"))
+    common = [n for n in expected.names() if n in actual]
+    want = Materializer([expected[n] for n in common])
+    got = Materializer([actual[n] for n in common])
+    for name in common:
+        if expected.spec(name) != actual.spec(name):
+            checks.append(Check(kind, name, False, detail=f"expected {expected.spec(name)}, found {actual.spec(name)}"))
+            continue
+        a, b = want.array(expected[name]), got.array(actual[name])
+        if _exact(expected[name]) and _exact(actual[name]):
+            same = _bitwise_equal(a, b)
+            checks.append(Check(kind, name, same, None if same else compare(name, a, b, 0.0, 0.0),
+                                detail="bitwise"))
+        else:
+            result = compare(name, a, b, atol, rtol)
+            checks.append(Check(kind, name, result.passed, result, detail="numeric step: tolerance"))
+    return checks
+
+
+def tie_checks(expected: ParamTable, actual: ParamTable) -> list[Check]:
+    checks = []
+    for group in expected.ties():
+        present = [m for m in group if m in actual]
+        tied = len(present) == len(group) and len({id(actual[m]) for m in present}) == 1
+        checks.append(Check("ties", ", ".join(group), tied,
+                            detail="" if tied else "tied in the reference, not in the candidate"))
+    return checks
+
+
+def verify_checkpoints(
+    reference: Checkpoint,
+    candidate: Checkpoint,
+    plan: Plan,
+    *,
+    provider: str = "auto",
+    atol: float | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+) -> VerifyReport:
+    """Check that ``candidate`` is ``plan`` applied to ``reference`` (see the module doc)."""
+    try:
+        expected = replay_plan(reference.table, plan, f"{reference.path} (plan replay)", untie=True)
+    except PlanError as e:
+        raise VerifyError(f"the candidate's plan does not apply to {reference.path}: {e}") from e
+    report = VerifyReport("checkpoint", reference.path, candidate.path, seed=seed)
+    report.checks += compare_tables("tensor", expected, candidate.table, atol, rtol)
+    try:
+        inverse = plan.inverse()
+    except PlanError as e:
+        report.checks.append(Check("inverse", "unfuse", True, detail=f"skipped: {e}"))
+    else:
+        inverse = inverse if all(s.op.exact for s in plan.steps) else None
+    if inverse is None:
+        if all(s.inverse() is not None for s in plan.steps):
+            report.checks.append(Check("inverse", "unfuse", True, detail=(
+                "skipped: a numeric step's inverse gives an equivalent parametrization, not the input")))
+    else:
+        back = replay_plan(candidate.table, inverse, f"{candidate.path} (inverse)", untie=True)
+        report.checks += compare_tables("inverse", reference.table, back, atol, rtol)
+    report.checks += tie_checks(expected, candidate.table)
+    probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol)
+    report.provider = chosen
+    report.checks += probe_checks
+    return report
+
+
+def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -> Plan:
+    """The plan to check: the candidate's provenance, or the rules given with -r."""
+    if rulesets:
+        plan, _ = make_plan(reference.table, rulesets, untie=True)
+        return plan
+    if candidate.provenance is None or not candidate.provenance.plan.groups:
+        raise VerifyError(f"{candidate.path}: no fusectl provenance; pass -r RULES to say how it was made")
+    return candidate.provenance.plan

@@ -1,0 +1,115 @@
+"""Verification reports: human text, stable JSON (``--report``) and JUnit XML (``--junit``)."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+from ..errors import printable
+from .compare import Comparison
+
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Check:
+    """One thing verify checked: a model output, a tensor, the inverse, the ties, a probe."""
+
+    kind: str  # "output" | "tensor" | "inverse" | "ties" | "probe"
+    name: str
+    passed: bool
+    comparison: Comparison | None = None
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "passed": self.passed,
+            "detail": self.detail,
+            "comparison": self.comparison.to_json() if self.comparison else None,
+        }
+
+
+@dataclass
+class VerifyReport:
+    mode: str  # "model" (two .onnx) or "checkpoint"
+    reference: str
+    candidate: str
+    provider: str | None = None
+    precision: str = "native"  # or "fp32-upcast" when bf16 ran as float32 on CPU
+    seed: int = 0
+    inputs: list[dict] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {
+            "report_version": REPORT_VERSION,
+            "mode": self.mode,
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "provider": self.provider,
+            "precision": self.precision,
+            "seed": self.seed,
+            "inputs": self.inputs,
+            "passed": self.passed,
+            "failed": [c.name for c in self.checks if not c.passed],
+            "checks": [c.to_json() for c in self.checks],
+        }
+
+    def to_text(self) -> str:
+        where = f" on {self.provider}" if self.provider else ""
+        precision = " (bf16 upcast to float32)" if self.precision == "fp32-upcast" else ""
+        lines = [f"verify {self.reference} -> {self.candidate} ({self.mode}){where}{precision}, seed {self.seed}"]
+        summarized = {"tensor", "inverse"}
+        for kind in sorted(summarized):
+            passed = [c for c in self.checks if c.kind == kind and c.passed]
+            if passed:
+                bitwise = sum(c.detail == "bitwise" for c in passed)
+                lines.append(f"  PASS {kind}: {len(passed)} tensor(s) equal "
+                             f"({bitwise} bitwise, {len(passed) - bitwise} within tolerance)")
+        for c in self.checks:
+            if c.kind in summarized and c.passed:
+                continue
+            status = "PASS" if c.passed else "FAIL"
+            line = f"  {status} {c.kind} {printable(c.name)}"
+            if c.comparison:
+                m = c.comparison
+                line += (f"  {m.dtype}{m.shape}: max abs {m.max_abs:.3g}, mean {m.mean_abs:.3g}, "
+                         f"p99 {m.p99_abs:.3g}; max rel {m.max_rel:.3g}, p99 {m.p99_rel:.3g}; "
+                         f"atol {m.atol:g} rtol {m.rtol:g}")
+                if not m.passed:
+                    line += (f"; {m.mismatches} element(s) differ, first at {m.first_mismatch}; "
+                             f"would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}")
+                if m.note:
+                    line += f"; {m.note}"
+            if c.detail:
+                line += f"  ({c.detail})"
+            lines.append(line)
+        failed = sum(not c.passed for c in self.checks)
+        lines.append(f"result: {'PASS' if self.passed else 'FAIL'} — "
+                     f"{len(self.checks) - failed} passed, {failed} failed")
+        return "\n".join(lines)
+
+    def to_junit(self) -> bytes:
+        failed = sum(not c.passed for c in self.checks)
+        suite = ET.Element("testsuite", name="fusectl.verify", tests=str(len(self.checks)),
+                           failures=str(failed), errors="0")
+        props = ET.SubElement(suite, "properties")
+        for key in ("mode", "reference", "candidate", "provider", "precision", "seed"):
+            ET.SubElement(props, "property", name=key, value=str(getattr(self, key)))
+        for c in self.checks:
+            case = ET.SubElement(suite, "testcase", classname=f"fusectl.verify.{c.kind}", name=c.name)
+            if not c.passed:
+                message = c.detail
+                if c.comparison:
+                    m = c.comparison
+                    message = (f"{m.mismatches} element(s) differ; max abs {m.max_abs:.3g}, max rel "
+                               f"{m.max_rel:.3g}; would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}"
+                               + (f"; {c.detail}" if c.detail else ""))
+                ET.SubElement(case, "failure", message=message)
+        return ET.tostring(ET.ElementTree(suite).getroot(), encoding="utf-8", xml_declaration=True)
