@@ -83,7 +83,7 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
         diff[ref_nan ^ cand_nan] = np.inf
         magnitude = np.abs(ref)
         rel = np.where(magnitude > 0, diff / np.where(magnitude > 0, magnitude, 1), np.where(diff > 0, np.inf, 0.0))
-    failed = (diff > atol) & (diff > rtol * magnitude)
+    failed = ((diff > atol) & (diff > rtol * magnitude)) | (ref_nan ^ cand_nan)
     mismatches = int(np.count_nonzero(failed))
     first = [int(i) for i in np.unravel_index(int(np.argmax(failed)), failed.shape)] if mismatches else None
     finite_diff = diff if diff.size else np.zeros(1)
@@ -92,8 +92,8 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
     needs_rtol = rel[diff > atol]
     return Comparison(
         name, dtype, shape, mismatches == 0, atol, rtol, mismatches,
-        float(np.max(finite_diff)), float(np.mean(finite_diff)), float(np.percentile(finite_diff, 99)),
-        float(np.max(finite_rel)), float(np.mean(finite_rel)), float(np.percentile(finite_rel, 99)),
+        float(np.max(finite_diff)), float(np.mean(finite_diff)), float(np.percentile(finite_diff, 99, method="higher")),
+        float(np.max(finite_rel)), float(np.mean(finite_rel)), float(np.percentile(finite_rel, 99, method="higher")),
         float(np.max(needs_atol)) if needs_atol.size else 0.0,
         float(np.max(needs_rtol)) if needs_rtol.size else 0.0,
         first,

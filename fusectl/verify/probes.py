@@ -28,7 +28,7 @@ from .compare import compare, default_tolerance
 from .report import Check
 from .runner import resolve_provider, run, session
 
-OPSET = 17
+OPSET = 18
 PROBED = {"concat", "split", "interleave", "deinterleave", "stack", "unstack", "transpose",
           "reshape", "reorder", "rope_permute", "weight_norm_fold", "weight_norm_unfold",
           "spectral_norm_fold", "bn_fold"}
@@ -254,10 +254,16 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
     chosen = resolve_provider(provider)
     planner = Planner(reference.copy(), untie=True)
     final_names = set(candidate.names())
-    consumed_later: set[str] = {n for s in plan.steps for n in s.inputs}
+    # names a later group consumes are intermediate: the candidate does not hold them
+    consumed_after: list[set[str]] = []
+    later: set[str] = set()
+    for group in reversed(plan.groups):
+        consumed_after.append(set(later))
+        later |= {n for s in group.steps for n in s.inputs}
+    consumed_after.reverse()
     seen: set = set()
     checks: list[Check] = []
-    for group in plan.groups:
+    for group, consumed_later in zip(plan.groups, consumed_after):
         before = planner.table.copy()
         planner.apply_group(group)
         after = planner.table
