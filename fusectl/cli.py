@@ -360,6 +360,73 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, config_pat
     _write(c, result, history, out, max_shard_size, force, quiet, as_json, started)
 
 
+@command(main, "map")
+@click.argument("ckpt", type=click.Path())
+@click.argument("graph", type=click.Path())
+@json_option
+@config_option
+def map_cmd(ckpt, graph, as_json, config_path):
+    """Pair CKPT's structural names with GRAPH's initializers.
+
+    By name (allowing one common prefix), then by equal content, then by equal transposed
+    content (exporters fold Linear weights into anonymous transposed initializers).
+
+    \b
+    Example:
+      fusectl map fixtures/onnx/bert/model.safetensors fixtures/onnx/bert/model.onnx
+    """
+    from .onnx.graph import initializer_views, load_model
+    from .onnx.namemap import map_names
+
+    c = open_checkpoint(ckpt, config_path)
+    readers, specs = initializer_views(load_model(graph))
+    result = map_names(c.table, readers, specs)
+    if as_json:
+        _emit_json(result.to_json())
+        return
+    width = max((len(printable(p.structural)) for p in result.pairs), default=0)
+    for p in result.pairs:
+        click.echo(f"{printable(p.structural):<{width}}  {p.how:<10}  {printable(p.initializer)}")
+    for name in result.unmatched_checkpoint:
+        click.echo(f"unmatched in {ckpt}: {printable(name)}")
+    for name in result.unmatched_graph:
+        click.echo(f"unmatched in {graph}: {printable(name)}")
+    click.echo(f"{len({p.structural for p in result.pairs})} of {len(c.table.entries)} names paired; "
+               f"{len(result.unmatched_graph)} graph initializer(s) unmatched")
+
+
+@command(main, "export")
+@click.argument("ckpt", type=click.Path())
+@click.option("--graph", "graph", required=True, type=click.Path(dir_okay=False),
+              help="ONNX graph exported from the model with the unfused layout.")
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Output .onnx.")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@json_option
+@config_option
+def export_cmd(ckpt, graph, out, force, as_json, config_path):
+    """Write GRAPH rewritten to take CKPT's (fused) parameters as its initializers.
+
+    MatMul/Gemm consumers of a fused weight that share an input become one MatMul (+ bias
+    Add) and a Split; weight_norm/spectral_norm subgraphs become the folded initializer;
+    Conv + BatchNormalization becomes one Conv; tied parameters are stored once.
+
+    \b
+    Example:
+      fusectl fuse fixtures/onnx/bert -r bert-qkv -o bert-fused/
+      fusectl export bert-fused/ --graph fixtures/onnx/bert/model.onnx -o bert-fused.onnx
+      fusectl verify fixtures/onnx/bert/model.onnx bert-fused.onnx --inputs fixtures/onnx/bert/io.npz
+    """
+    from .onnx.export import export_model
+
+    report = export_model(open_checkpoint(ckpt, config_path), graph, out, force=force)
+    if as_json:
+        _emit_json(report.__dict__)
+    else:
+        click.echo(f"wrote {out}: {report.initializers} initializers; {report.fused_matmuls} fused MatMul(s), "
+                   f"{report.folded} folded step(s), {report.rebound} initializer use(s) rebound"
+                   + ("; external data" if report.external_data else ""))
+
+
 @command(main, "verify")
 @click.argument("reference", type=click.Path())
 @click.argument("candidate", type=click.Path())

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..execute import Materializer
 from ..ops.reparam import SpectralNormFold, weight_norm_dim
+from ..onnx.unfuse import unfuse_in_onnx
 from ..plan import Plan, Planner, Step
 from ..table import ParamTable
 from .compare import compare, default_tolerance
@@ -95,58 +96,6 @@ def readout_width(shape: Sequence[int]) -> int:
     if len(shape) >= 2:
         return int(np.prod(shape[1:]))
     return shape[0] if shape else 1
-
-
-def unfuse_in_onnx(b: GraphBuilder, step: Step, fused: list[str]) -> list[str]:
-    """ONNX ops that recover the step's inputs from its outputs (layout steps)."""
-    op, ins, outs = step.op, step.input_specs, step.output_specs
-    kind = op.kind
-    if kind == "concat":
-        axis = op.axis % len(ins[0].shape)
-        sizes = [s.shape[axis] for s in ins]
-        return b.node("Split", [fused[0], b.ints(sizes)], len(ins), axis=axis)
-    if kind == "split":
-        return [b.one("Concat", fused, axis=op.axis % len(ins[0].shape))]
-    if kind == "interleave":
-        axis = op.axis % len(ins[0].shape)
-        per = [s.shape[axis] // op.groups for s in ins]
-        shape = list(outs[0].shape)
-        grouped = b.one("Reshape", [fused[0], b.ints(shape[:axis] + [op.groups, sum(per)] + shape[axis + 1:])])
-        parts = b.node("Split", [grouped, b.ints(per)], len(ins), axis=axis + 1)
-        return [b.one("Reshape", [p, b.ints(list(s.shape))]) for p, s in zip(parts, ins)]
-    if kind == "deinterleave":
-        axis = op.axis % len(ins[0].shape)
-        shape = list(ins[0].shape)
-        grouped = [b.one("Reshape", [f, b.ints(shape[:axis] + [op.groups, s.shape[axis] // op.groups] + shape[axis + 1:])])
-                   for f, s in zip(fused, outs)]
-        return [b.one("Reshape", [b.one("Concat", grouped, axis=axis + 1), b.ints(shape)])]
-    if kind == "stack":
-        axis = op.axis % len(outs[0].shape)
-        parts = b.node("Split", [fused[0], b.ints([1] * len(ins))], len(ins), axis=axis)
-        return [b.one("Squeeze", [p, b.ints([axis])]) for p in parts]
-    if kind == "unstack":
-        axis = op.axis % len(ins[0].shape)
-        return [b.one("Concat", [b.one("Unsqueeze", [f, b.ints([axis])]) for f in fused], axis=axis)]
-    if kind == "transpose":
-        return [b.one("Transpose", [fused[0]], perm=[int(p) for p in np.argsort(op.perm)])]
-    if kind == "reshape":
-        return [b.one("Reshape", [fused[0], b.ints(list(ins[0].shape))])]
-    if kind == "reorder":
-        axis = op.axis % len(ins[0].shape)
-        chunks = b.node("Split", [fused[0], b.ints([ins[0].shape[axis] // op.chunks] * op.chunks)],
-                        op.chunks, axis=axis)
-        inverse = np.argsort(op.order)
-        return [b.one("Concat", [chunks[k] for k in inverse], axis=axis)]
-    if kind == "rope_permute":
-        rows = ins[0].shape[0]
-        cols = ins[0].shape[1] if len(ins[0].shape) == 2 else 1
-        half = rows // op.heads // 2
-        # undo: to "hf" made (heads, 2, half) from Meta's (heads, half, 2)
-        src = [op.heads, 2, half, cols] if op.to == "hf" else [op.heads, half, 2, cols]
-        grouped = b.one("Reshape", [fused[0], b.ints(src)])
-        swapped = b.one("Transpose", [grouped], perm=[0, 2, 1, 3])
-        return [b.one("Reshape", [swapped, b.ints(list(ins[0].shape))])]
-    raise ValueError(kind)  # pragma: no cover - PROBED lists the kinds handled
 
 
 def weight_norm_in_onnx(b: GraphBuilder, g: str, v: str, v_shape, dim: int | None) -> str:

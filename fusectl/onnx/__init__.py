@@ -1,0 +1,1 @@
+"""ONNX graphs: structural names ↔ initializers, and export of a fused checkpoint."""

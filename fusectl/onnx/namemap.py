@@ -1,0 +1,144 @@
+"""Pair a checkpoint's structural names with an ONNX graph's initializers.
+
+Exporters rename: a wrapper adds a prefix (``model.``), and the TorchScript and dynamo
+exporters constant-fold each Linear weight into an anonymous transposed initializer
+(``onnx::MatMul_922``, ``val_90``). So pairs are found by name (allowing one common prefix
+on either side), then by equal content, then by equal transposed content. Content is
+compared by hashing (dtype, shape, bytes) once per tensor, never pair by pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ..execute import Materializer
+from ..table import ParamTable
+
+
+@dataclass(frozen=True)
+class Pair:
+    structural: str
+    initializer: str
+    how: str  # "name", "content" or "transposed" (the initializer is the tensor transposed)
+
+
+@dataclass
+class NameMap:
+    pairs: list[Pair] = field(default_factory=list)
+    unmatched_checkpoint: list[str] = field(default_factory=list)
+    unmatched_graph: list[str] = field(default_factory=list)
+    graph_prefix: str = ""
+    checkpoint_prefix: str = ""
+
+    def by_initializer(self) -> dict[str, Pair]:
+        return {p.initializer: p for p in self.pairs}
+
+    def by_structural(self) -> dict[str, list[Pair]]:
+        out: dict[str, list[Pair]] = {}
+        for p in self.pairs:
+            out.setdefault(p.structural, []).append(p)
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "pairs": [{"structural": p.structural, "initializer": p.initializer, "how": p.how} for p in self.pairs],
+            "unmatched_checkpoint": self.unmatched_checkpoint,
+            "unmatched_graph": self.unmatched_graph,
+            "graph_prefix": self.graph_prefix,
+            "checkpoint_prefix": self.checkpoint_prefix,
+        }
+
+
+def _digest(array: np.ndarray) -> tuple:
+    array = np.ascontiguousarray(array)
+    return (str(array.dtype), array.shape,
+            hashlib.blake2b(array.reshape(-1).view(np.uint8).data, digest_size=16).digest())
+
+
+def common_prefix(structural: list[str], graph: list[str]) -> tuple[str, str]:
+    """The (graph prefix, checkpoint prefix) under which the most names coincide."""
+    counts: Counter[tuple[str, str]] = Counter()
+    struct_set, graph_set = set(structural), set(graph)
+    for names, others, side in ((graph, struct_set, 0), (structural, graph_set, 1)):
+        for name in names:
+            parts = name.split(".")
+            for k in range(len(parts)):
+                if ".".join(parts[k:]) in others:
+                    prefix = ".".join(parts[:k]) + ("." if k else "")
+                    counts[(prefix, "") if side == 0 else ("", prefix)] += 1
+                    break
+    if not counts:
+        return "", ""
+    return counts.most_common(1)[0][0]
+
+
+def map_names(
+    table: ParamTable,
+    initializers: Mapping[str, Callable[[], np.ndarray]],
+    initializer_specs: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> NameMap:
+    """Pair ``table``'s structural names with the graph's initializers.
+
+    ``initializers`` maps each initializer name to a function returning its data (called at
+    most once, only for initializers not matched by name); ``initializer_specs`` gives each
+    one's numpy dtype name and shape without reading it.
+    """
+    result = NameMap()
+    names = table.names()
+    graph_prefix, ckpt_prefix = common_prefix(names, list(initializers))
+    result.graph_prefix, result.checkpoint_prefix = graph_prefix, ckpt_prefix
+    matched_graph: set[str] = set()
+    matched_unique: set[int] = set()
+
+    def add(tensor_id: int, initializer: str, how: str) -> None:
+        for name in names:
+            if id(table[name]) == tensor_id:
+                result.pairs.append(Pair(name, initializer, how))
+        matched_graph.add(initializer)
+        matched_unique.add(tensor_id)
+
+    for name in names:
+        if not name.startswith(ckpt_prefix):
+            continue
+        candidate = graph_prefix + name[len(ckpt_prefix):]
+        if candidate in initializers and candidate not in matched_graph and id(table[name]) not in matched_unique:
+            dtype, shape = initializer_specs[candidate]
+            spec = table.spec(name)
+            if (dtype, tuple(shape)) == (str(spec.dtype.numpy), spec.shape):
+                add(id(table[name]), candidate, "name")
+
+    remaining = [n for n in initializers if n not in matched_graph]
+    wanted_specs = {(str(t.spec.dtype.numpy), t.spec.shape) for _, t in table.unique()}
+    wanted_specs |= {(d, s[::-1]) for d, s in wanted_specs if len(s) == 2}
+    graph_by_digest: dict[tuple, list[str]] = {}
+    for name in remaining:
+        dtype, shape = initializer_specs[name]
+        if (dtype, tuple(shape)) not in wanted_specs:
+            continue  # no checkpoint tensor could equal it: do not read it
+        graph_by_digest.setdefault(_digest(initializers[name]()), []).append(name)
+
+    digest_specs = {key[:2] for key in graph_by_digest}
+    for how in ("content", "transposed"):
+        for _, tensor in table.unique():
+            if id(tensor) in matched_unique or tensor.spec.dtype.packed:
+                continue
+            shape = tensor.spec.shape if how == "content" else tensor.spec.shape[::-1]
+            if how == "transposed" and len(shape) != 2:
+                continue
+            if (str(tensor.spec.dtype.numpy), shape) not in digest_specs:
+                continue
+            array = Materializer([tensor]).array(tensor)
+            key = _digest(array if how == "content" else array.T)
+            for initializer in graph_by_digest.get(key, []):
+                if initializer not in matched_graph:
+                    add(id(tensor), initializer, how)
+    result.pairs.sort(key=lambda p: (p.structural, p.initializer))
+    paired = {p.structural for p in result.pairs}
+    result.unmatched_checkpoint = [n for n in names if n not in paired]
+    result.unmatched_graph = sorted(n for n in initializers if n not in matched_graph)
+    return result
