@@ -161,11 +161,32 @@ class Exporter:
         rest = [n for n in mapping.unmatched_graph]
         direct = map_names(self.ckpt.table, {n: readers[n] for n in rest}, {n: specs[n] for n in rest})
         self.direct = {p.initializer: (p.structural, p.how == "transposed") for p in direct.pairs}
+        self._refuse_stale_weights(original, mapping, direct, specs)
         for name in {p.initializer for p in mapping.pairs} | set(self.direct):
             value = self.graph.initializers.pop(name)
             value.name = f"fusectl_graph/{name}"
             self.graph.register_initializer(value)
         return mapping
+
+    def _refuse_stale_weights(self, original: ParamTable, mapping: NameMap, direct: NameMap, specs) -> None:
+        """An unpaired graph initializer shaped like an unpaired checkpoint tensor is a weight
+        whose data differs: keeping it would export the graph's old weight silently."""
+        unpaired = [n for n in mapping.unmatched_checkpoint if not isinstance(original[n], OpaqueTensor)
+                    and n not in {p.structural for p in mapping.pairs}]
+        shapes = {}
+        for name in unpaired:
+            spec = original.spec(name)
+            shapes.setdefault((str(spec.dtype.numpy), spec.shape), name)
+            shapes.setdefault((str(spec.dtype.numpy), spec.shape[::-1]), name)
+        for initializer in direct.unmatched_graph:
+            dtype, shape = specs[initializer]
+            name = shapes.get((dtype, tuple(shape)))
+            if name is not None and len(shape) >= 1 and int(np.prod(shape)) > 1:
+                raise ExportError(
+                    f"graph initializer {initializer!r} {list(shape)} pairs with no tensor of "
+                    f"{self.ckpt.path}, though {name!r} has its shape: their data differ. Was "
+                    f"{self.graph_path} exported from the model this checkpoint was fused from?"
+                )
 
     # -- 2. numeric steps -------------------------------------------------------------------
     def fold_reparametrizations(self) -> None:
@@ -360,15 +381,14 @@ class Exporter:
 
     # -- 5. clean up and save ---------------------------------------------------------------
     def remove_unused(self) -> None:
-        from onnx_ir.passes.common import RemoveUnusedNodesPass
+        """Sort (new nodes were appended after their users), then drop dead nodes."""
+        from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+        TopologicalSortPass()(self.model)
         RemoveUnusedNodesPass()(self.model)
 
     def finish(self, out: str, force: bool) -> ExportReport:
-        from onnx_ir.passes.common import TopologicalSortPass
-
         self.remove_unused()
-        TopologicalSortPass()(self.model)
         leftovers = [v.name.split("/", 1)[1] for v in self.graph.initializers.values()
                      if v.name.startswith("fusectl_graph/")]
         if leftovers:

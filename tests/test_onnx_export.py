@@ -1,0 +1,212 @@
+"""map and export against graphs written by torch's real ONNX exporters (fixtures/onnx/)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import save_file
+
+from fusectl.cli import main
+
+ONNX = Path(__file__).resolve().parent.parent / "fixtures" / "onnx"
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def ok(result):
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def op_counts(path) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+def run_model(path, io):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: io[i.name] for i in sess.get_inputs()}
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def fused_export(tmp_path, name, *presets):
+    src = ONNX / name
+    fused = tmp_path / "fused"
+    ok(run("fuse", src, *[x for p in presets for x in ("-r", p)], "-o", fused, "--quiet"))
+    out = tmp_path / "fused.onnx"
+    ok(run("export", fused, "--graph", src / "model.onnx", "-o", out))
+    return fused, out
+
+
+# --------------------------------------------------------------------------------- map
+
+
+def test_map_pairs_every_anonymous_matmul_initializer_of_the_torchscript_bert():
+    result = ok(run("map", ONNX / "bert" / "model.safetensors", ONNX / "bert" / "model.onnx", "--json"))
+    doc = json.loads(result.output)
+    expected = json.loads((ONNX / "bert" / "initializers.json").read_text())["model.onnx"]["initializers"]
+    got = {(p["initializer"]): (p["structural"], p["how"]) for p in doc["pairs"]}
+    for init in expected:
+        if init["equal_to_transposed"]:
+            assert got[init["name"]] == (init["equal_to_transposed"][0], "transposed"), init["name"]
+        elif init["equal_to"]:
+            assert got[init["name"]][0] in init["equal_to"]
+    assert doc["unmatched_checkpoint"] == [] and doc["unmatched_graph"] == []
+    assert sum(p["initializer"].startswith("onnx::MatMul_") for p in doc["pairs"]) == 12
+
+
+def test_map_finds_dynamo_val_initializers_and_reports_graph_only_constants():
+    doc = json.loads(ok(run("map", ONNX / "llama", ONNX / "llama" / "model.onnx", "--json")).output)
+    assert doc["unmatched_checkpoint"] == []
+    pairs = {p["structural"]: p for p in doc["pairs"]}
+    assert pairs["lm_head.weight"]["initializer"] == "val_382" and pairs["lm_head.weight"]["how"] == "transposed"
+    assert "unsqueeze_14" in doc["unmatched_graph"]  # rotary tables are the graph's own
+
+
+def test_map_allows_a_common_prefix(tmp_path):
+    from safetensors.numpy import load_file
+    arrays = load_file(str(ONNX / "bert" / "model.safetensors"))
+    prefixed = tmp_path / "prefixed.safetensors"
+    save_file({f"bert.{k}": v for k, v in arrays.items()}, str(prefixed))
+    doc = json.loads(ok(run("map", prefixed, ONNX / "bert" / "model.onnx", "--json")).output)
+    assert doc["checkpoint_prefix"] == "bert." and doc["unmatched_checkpoint"] == []
+    assert ("bert.embeddings.word_embeddings.weight", "name") in {(p["structural"], p["how"]) for p in doc["pairs"]}
+
+
+def test_lstm_to_onnx_preset_equals_the_torch_exporters_packed_weights(tmp_path):
+    fused = tmp_path / "lstm.safetensors"
+    ok(run("fuse", ONNX / "lstm", "-r", "lstm-to-onnx", "-o", fused, "--quiet"))
+    doc = json.loads(ok(run("map", fused, ONNX / "lstm" / "model.onnx", "--json")).output)
+    how = {p["structural"]: (p["initializer"], p["how"]) for p in doc["pairs"]}
+    # bit-identical to what torch's exporter packed for the ONNX LSTM nodes
+    assert how["rnn.W_l0"] == ("onnx::LSTM_379", "content")
+    assert how["rnn.R_l1"] == ("onnx::LSTM_427", "content")
+    assert how["rnn.B_l0"] == ("onnx::LSTM_378", "content")
+    assert doc["unmatched_graph"] == []
+
+
+# ------------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("name,presets,op,before,after", [
+    ("bert", ["bert-qkv"], "MatMul", 16, 12),
+    ("llama", ["llama-qkv", "llama-gate-up"], "MatMul", 19, 13),
+    ("convbn", ["conv-bn-fold"], "BatchNormalization", 2, 0),
+    ("wnconv", ["weight-norm-fold"], "ReduceL2", 3, 0),
+    ("lstm", ["lstm-to-onnx"], "LSTM", 2, 2),
+])
+def test_export_rewrites_the_graph_and_reproduces_pytorch(tmp_path, name, presets, op, before, after):
+    fused, out = fused_export(tmp_path, name, *presets)
+    assert op_counts(ONNX / name / "model.onnx")[op] == before
+    assert op_counts(out)[op] == after
+    onnx.checker.check_model(str(out))
+    io = np.load(ONNX / name / "io.npz")
+    for output, value in run_model(out, io).items():
+        np.testing.assert_allclose(value, io[output], rtol=1e-4, atol=1e-4)
+    # the initializers are the fused checkpoint's parameters, by name, and nothing else of weight size
+    from fusectl.io.checkpoint import open_checkpoint
+    names = {i.name for i in onnx.load(str(out)).graph.initializer}
+    assert set(open_checkpoint(str(fused)).table.names()) - {n for n in open_checkpoint(str(fused)).table.names()
+                                                               if "num_batches" in n} <= names
+    ok(run("verify", ONNX / name / "model.onnx", out, "--inputs", ONNX / name / "io.npz"))
+
+
+def test_export_fuses_qkv_into_one_matmul_and_a_split_per_layer(tmp_path):
+    _, out = fused_export(tmp_path, "bert", "bert-qkv")
+    graph = onnx.load(str(out)).graph
+    splits = [n for n in graph.node if n.op_type == "Split"]
+    assert len(splits) == 2  # one per layer, after the fused MatMul + bias Add
+    producers = {o: n for n in graph.node for o in n.output}
+    for split in splits:
+        add = producers[split.input[0]]
+        assert add.op_type == "Add"
+        assert any(producers.get(i) is not None and producers[i].op_type == "MatMul" for i in add.input)
+
+
+def test_a_perturbed_fused_weight_makes_model_verify_fail(tmp_path):
+    _, out = fused_export(tmp_path, "bert", "bert-qkv")
+    model = onnx.load(str(out))
+    init = next(i for i in model.graph.initializer if i.name == "encoder.layer.1.attention.self.qkv.weight")
+    array = numpy_helper.to_array(init).copy()
+    array[2, 6] += 0.5
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+    bad = tmp_path / "bad.onnx"
+    onnx.save(model, str(bad))
+    report = tmp_path / "r.json"
+    result = run("verify", ONNX / "bert" / "model.onnx", bad, "--inputs", ONNX / "bert" / "io.npz", "--report", report)
+    assert result.exit_code == 1
+    assert "last_hidden_state" in json.loads(report.read_text())["failed"]
+
+
+def test_export_refuses_a_checkpoint_whose_weights_differ_from_the_graph(tmp_path):
+    from fusectl.io.safetensors_file import read_header
+    src = tmp_path / "bert"
+    shutil.copytree(ONNX / "bert", src)
+    weights = src / "model.safetensors"
+    location = read_header(str(weights))[0]["encoder.layer.1.attention.self.query.weight"].location
+    with open(weights, "r+b") as f:
+        f.seek(location.offset + 4 * 70)
+        f.write(np.float32(3.0).tobytes())
+    fused = tmp_path / "fused"
+    ok(run("fuse", src, "-r", "bert-qkv", "-o", fused, "--quiet"))
+    out = tmp_path / "out.onnx"
+    result = run("export", fused, "--graph", ONNX / "bert" / "model.onnx", "-o", out)
+    assert result.exit_code == 2
+    assert "onnx::MatMul_390" in result.output and "encoder.layer.1.attention.self.query.weight" in result.output
+    assert not out.exists()
+
+
+def test_a_tied_embedding_used_transposed_is_one_initializer_and_a_transpose(tmp_path):
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((10, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed.weight", "ids"], ["h"]),
+         helper.make_node("MatMul", ["h", "onnx::MatMul_7"], ["logits"])],
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 10])],
+        [numpy_helper.from_array(embed, "embed.weight"), numpy_helper.from_array(embed.T.copy(), "onnx::MatMul_7")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    graph_path = tmp_path / "tied.onnx"
+    onnx.save(model, str(graph_path))
+    ckpt = tmp_path / "tied.safetensors"
+    save_file({"embed.weight": embed}, str(ckpt), metadata={"head.weight": "embed.weight"})
+    out = tmp_path / "out.onnx"
+    ok(run("export", ckpt, "--graph", graph_path, "-o", out))
+    exported = onnx.load(str(out)).graph
+    assert [i.name for i in exported.initializer] == ["embed.weight"]
+    assert [n.op_type for n in exported.node].count("Transpose") == 1
+    ids = np.array([[1, 5, 9]], np.int64)
+    (logits,) = ort.InferenceSession(str(out)).run(None, {"ids": ids})
+    np.testing.assert_allclose(logits, embed[ids] @ embed.T, rtol=1e-6)
+
+
+def test_export_refuses_an_existing_output_and_leaves_no_partial_file(tmp_path):
+    fused, out = fused_export(tmp_path, "wnconv", "weight-norm-fold")
+    before = out.read_bytes()
+    result = run("export", fused, "--graph", ONNX / "wnconv" / "model.onnx", "-o", out)
+    assert result.exit_code == 2 and "--force" in result.output and out.read_bytes() == before
+    # a graph without the weight_norm subgraph (constant-folded by the exporter) cannot take the fold
+    bad = tmp_path / "bad.onnx"
+    result = run("export", fused, "--graph", ONNX / "wnconv" / "model_folded.onnx", "-o", bad)
+    assert result.exit_code == 2 and result.output.startswith("error:")
+    assert not bad.exists() and not [p for p in tmp_path.iterdir() if "fusectl-tmp" in p.name]
+
+
+def test_export_of_a_corrupt_graph_is_exit_2(tmp_path):
+    graph = tmp_path / "corrupt.onnx"
+    graph.write_bytes(b"not a protobuf at all")
+    result = run("export", ONNX / "bert", "--graph", graph, "-o", tmp_path / "o.onnx")
+    assert result.exit_code == 2 and "corrupt.onnx" in result.output and "Traceback" not in result.output
