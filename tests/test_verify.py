@@ -232,3 +232,36 @@ def test_bad_input_shape_option_is_exit_2(tmp_path):
     a = _linear_model(tmp_path / "a.onnx", np.eye(2, dtype=np.float32))
     result = run("verify", a, a, "--input", "x=2by2")
     assert result.exit_code == 2 and "NAME=D0xD1" in result.output
+
+
+def _bf16_model(path: Path, w: np.ndarray):
+    import ml_dtypes
+    graph = helper.make_graph(
+        [helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+         helper.make_node("MatMul", ["xb", "w"], ["yb"]),
+         helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, w.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, w.shape[1]])],
+        [helper.make_tensor("w", TensorProto.BFLOAT16, w.shape,
+                            w.astype(ml_dtypes.bfloat16).astype(np.float32).reshape(-1).tolist())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in onnxruntime.get_available_providers(),
+                    reason="with CUDA, bf16 runs natively")
+def test_bf16_models_run_upcast_to_float32_on_cpu_and_say_so(tmp_path):
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    a = _bf16_model(tmp_path / "a.onnx", w)
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--report", report)
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["precision"] == "fp32-upcast"
+    assert "bf16 upcast to float32" in result.output
+    w2 = w.copy()
+    w2[0, 0] += 1.0
+    b = _bf16_model(tmp_path / "b.onnx", w2)
+    assert run("verify", a, b).exit_code == 1

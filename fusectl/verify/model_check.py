@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import ml_dtypes
 import numpy as np
 
 from ..errors import VerifyError
-from .compare import compare
+from .compare import compare, default_tolerance
 from .report import Check, VerifyReport
-from .runner import make_inputs, resolve_provider, run, session
+from .runner import CPU, make_inputs, resolve_provider, run, session
+from .upcast import has_bfloat16, upcast_bfloat16
 
 
 def load_inputs_file(path: str | None) -> dict[str, np.ndarray]:
@@ -35,9 +37,13 @@ def verify_models(
 ) -> VerifyReport:
     """Run ``reference`` and ``candidate`` with identical inputs and compare outputs by name."""
     chosen = resolve_provider(provider)
-    ref_sess = session(reference, chosen, reference)
-    cand_sess = session(candidate, chosen, candidate)
-    feeds, specs = make_inputs(ref_sess, inputs or {}, shapes or {}, seed, reference)
+    # onnxruntime has no bf16 CPU kernels: on CPU both models run upcast to float32
+    upcast = chosen == CPU and (has_bfloat16(reference) or has_bfloat16(candidate))
+    ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference)
+    cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate)
+    given = {k: (np.asarray(v, np.float32) if upcast and v.dtype == ml_dtypes.bfloat16 else v)
+             for k, v in (inputs or {}).items()}
+    feeds, specs = make_inputs(ref_sess, given, shapes or {}, seed, reference)
     cand_inputs = {m.name for m in cand_sess.get_inputs()}
     if cand_inputs != set(feeds):
         raise VerifyError(
@@ -46,13 +52,16 @@ def verify_models(
     ref_out = run(ref_sess, feeds, reference)
     cand_out = run(cand_sess, feeds, candidate)
     report = VerifyReport("model", reference, candidate, chosen, seed=seed,
+                          precision="fp32-upcast" if upcast else "native",
                           inputs=[{"name": s.name, "dtype": str(s.dtype), "shape": list(s.shape),
                                    "source": s.source} for s in specs])
     for name, expected in ref_out.items():
         if name not in cand_out:
             report.checks.append(Check("output", name, False, detail=f"{candidate} has no output {name!r}"))
             continue
-        result = compare(name, np.asarray(expected), np.asarray(cand_out[name]), atol, rtol)
+        default_atol, default_rtol = default_tolerance(ml_dtypes.bfloat16) if upcast else (None, None)
+        result = compare(name, np.asarray(expected), np.asarray(cand_out[name]),
+                         default_atol if atol is None else atol, default_rtol if rtol is None else rtol)
         report.checks.append(Check("output", name, result.passed, result))
     for name in sorted(set(cand_out) - set(ref_out)):
         report.checks.append(Check("output", name, False, detail=f"{reference} has no output {name!r}"))
