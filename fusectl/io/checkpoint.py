@@ -89,14 +89,18 @@ def _existing(path: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def _read_config(path: str) -> dict:
+def _read_json(path: str, what: str):
     try:
         with open(path) as f:
-            config = json.load(f)
+            return json.load(f)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read config: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: config is not valid JSON ({e})") from e
+        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e}); the file is corrupt") from e
+
+
+def _read_config(path: str) -> dict:
+    config = _read_json(path, "config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config must be a JSON object")
     return config
@@ -122,13 +126,7 @@ def _pick_in_folder(folder: str) -> str:
 
 
 def _read_sharded(index_path: str):
-    try:
-        with open(index_path) as f:
-            index = json.load(f)
-    except OSError as e:
-        raise CheckpointError(f"{index_path}: cannot read: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{index_path}: not valid JSON ({e}); the index is corrupt") from e
+    index = _read_json(index_path, "the index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
