@@ -103,6 +103,9 @@ class ComputedTensor(LazyTensor):
     computation: Computation
     index: int
 
+    def has_data(self) -> bool:
+        return all(t.has_data() for t in self.computation.inputs)
+
     def byte_ranges(self) -> tuple[ByteRange, ...] | None:
         ranges = [t.byte_ranges() for t in self.computation.inputs]
         if any(r is None for r in ranges):

@@ -49,6 +49,10 @@ class LazyTensor:
         """The tensor's bytes as file ranges, when they can be copied without decoding."""
         return None
 
+    def has_data(self) -> bool:
+        """Whether the bytes can be produced (False for a name known only from a plan)."""
+        return True
+
 
 def read_ranges(ranges: tuple[ByteRange, ...], spec: TensorSpec) -> np.ndarray:
     """Read file ranges into one fresh array of ``spec`` (positional reads, no mapping kept)."""

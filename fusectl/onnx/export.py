@@ -49,6 +49,9 @@ class OpaqueTensor(LazyTensor):
     spec: TensorSpec
     name: str
 
+    def has_data(self) -> bool:
+        return False
+
     def read(self):
         raise ExportError(f"{self.name!r} is not recoverable from the fused checkpoint")
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..execute import Materializer
 from ..table import ParamTable
+from ..tensors import LazyTensor
 
 
 @dataclass(frozen=True)
@@ -122,18 +123,24 @@ def map_names(
             continue  # no checkpoint tensor could equal it: do not read it
         graph_by_digest.setdefault(_digest(initializers[name]()), []).append(name)
 
+    # each checkpoint tensor that could match is read once, hashed as is and transposed
     digest_specs = {key[:2] for key in graph_by_digest}
-    for how in ("content", "transposed"):
-        for _, tensor in table.unique():
-            if id(tensor) in matched_unique or tensor.spec.dtype.packed:
+    digests: list[tuple[LazyTensor, tuple, tuple | None]] = []
+    for _, tensor in table.unique():
+        if id(tensor) in matched_unique or tensor.spec.dtype.packed or not tensor.has_data():
+            continue
+        dtype, shape = str(tensor.spec.dtype.numpy), tensor.spec.shape
+        as_is = (dtype, shape) in digest_specs
+        transposed = len(shape) == 2 and (dtype, shape[::-1]) in digest_specs
+        if not as_is and not transposed:
+            continue
+        array = Materializer([tensor]).array(tensor)
+        digests.append((tensor, _digest(array) if as_is else None, _digest(array.T) if transposed else None))
+    for how, position in (("content", 1), ("transposed", 2)):
+        for entry in digests:
+            tensor, key = entry[0], entry[position]
+            if key is None or (how == "transposed" and id(tensor) in matched_unique):
                 continue
-            shape = tensor.spec.shape if how == "content" else tensor.spec.shape[::-1]
-            if how == "transposed" and len(shape) != 2:
-                continue
-            if (str(tensor.spec.dtype.numpy), shape) not in digest_specs:
-                continue
-            array = Materializer([tensor]).array(tensor)
-            key = _digest(array if how == "content" else array.T)
             for initializer in graph_by_digest.get(key, []):
                 if initializer not in matched_graph:
                     add(id(tensor), initializer, how)
