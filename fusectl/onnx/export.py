@@ -174,7 +174,7 @@ class Exporter:
     def _refuse_stale_weights(self, original: ParamTable, mapping: NameMap, direct: NameMap, specs) -> None:
         """An unpaired graph initializer shaped like an unpaired checkpoint tensor is a weight
         whose data differs: keeping it would export the graph's old weight silently."""
-        unpaired = [n for n in mapping.unmatched_checkpoint if not isinstance(original[n], OpaqueTensor)
+        unpaired = [n for n in mapping.unmatched_checkpoint if original[n].has_data()
                     and n not in {p.structural for p in mapping.pairs}]
         shapes = {}
         for name in unpaired:
