@@ -133,10 +133,11 @@ def _forward_plan(ckpt, rules, config_path, untie, adopt) -> tuple[Checkpoint, P
 
 
 def _parameters_json(table: ParamTable) -> list[dict]:
+    unique = table.unique_names()
     return [
         {
             "name": name,
-            "unique": table.unique_name(name),
+            "unique": unique[name],
             "dtype": table.spec(name).dtype.safetensors,
             "shape": list(table.spec(name).shape),
             "nbytes": table.spec(name).nbytes,
@@ -285,7 +286,7 @@ def with_output_options(fn):
 def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, force, quiet, as_json, started):
     report = write_table(
         table, plan, out,
-        inputs=[c.path, *c.files],
+        inputs=[c.path, *c.files, *c.companions, *([c.config_path] if c.config_path else [])],
         passthrough=c.metadata,
         companions=c.companions,
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,

@@ -59,7 +59,7 @@ class Materializer:
         except ComputeError as e:
             raise ComputeError(f"{computation.label}: {e}") from None
         for array, spec in zip(outputs, computation.output_specs, strict=True):
-            if array.dtype != spec.dtype.numpy or array.shape != spec.shape:
+            if not isinstance(array, np.ndarray) or array.dtype != spec.dtype.numpy or array.shape != spec.shape:
                 raise ComputeError(
                     f"{computation.label}: produced {array.dtype}{list(array.shape)}, planned {spec}"
                 )
@@ -76,10 +76,8 @@ class WriteReport:
 
 def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str]):
     """Per-file metadata (aliases in the save_model convention) and the provenance entry."""
-    aliases = {
-        alias: table.unique_name(alias)
-        for group in table.ties() for alias in group if alias != table.unique_name(alias)
-    }
+    unique = table.unique_names()
+    aliases = {alias: unique[alias] for group in table.ties() for alias in group if alias != unique[alias]}
     provenance = Provenance(plan, aliases).dumps()
 
     def shard_metadata(entries: Sequence[tuple[str, TensorSpec]]) -> dict[str, str]:

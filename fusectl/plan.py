@@ -129,7 +129,9 @@ class Planner:
             if steps:
                 self.apply_group(StepGroup(rule.name, rule.source, tuple(steps)))
                 applied += 1
-        if ruleset.rules and not applied:
+        # optional rules may each match nothing, but a file of which no rule matches does not
+        # fit this model at all (a fold preset on a model without the reparametrization)
+        if ruleset.rules and not applied and any(r.op.kind != "refuse" for r in ruleset.rules):
             raise PlanError(
                 f"{ruleset.source}: no rule matched any tensor of the checkpoint; "
                 "check that these rules fit this model"
@@ -148,6 +150,16 @@ class Planner:
                             f"{what}: {group.describe()} expects {name!r} as {spec}, "
                             f"but the checkpoint has {self.table.spec(name)}"
                         )
+                # recorded output specs are re-derived, not trusted: an edited record is refused
+                try:
+                    derived = tuple(step.op.infer(step.input_specs, step.inputs))
+                except PlanError as e:
+                    raise PlanError(f"{what}: {group.describe()}: {e}") from None
+                if derived != step.output_specs or len(derived) != len(step.outputs):
+                    raise PlanError(
+                        f"{what}: {group.describe()} records outputs {[str(x) for x in step.output_specs]} "
+                        f"that its op does not produce; the provenance was edited or corrupted"
+                    )
             self.apply_group(group)
 
     def plan(self) -> Plan:
@@ -165,24 +177,26 @@ class Planner:
                         "rename or drop it first, or change the output pattern"
                     )
                 produced.add(name)
-        shared, untied = self._judge_ties(group, consumed)
+        untied = self._judge_ties(group, consumed)
 
         new_entries: dict[str, LazyTensor] = {}
-        done: dict[int, tuple[LazyTensor, ...]] = {}
+        # steps applying one op to the same tensors (tied members treated alike) compute once,
+        # so their outputs are tied in turn
+        done: dict[tuple, tuple[LazyTensor, ...]] = {}
         for step in group.steps:
             sources = tuple(table[n] for n in step.inputs)
+            key = self._step_key(step)
             if step.op.kind == "rename":
                 outputs: tuple[LazyTensor, ...] = sources
-            elif len(sources) == 1 and id(sources[0]) in shared and id(sources[0]) in done:
-                outputs = done[id(sources[0])]
+            elif key in done:
+                outputs = done[key]
             else:
                 label = f"{group.describe()}: {_roles(step)}"
                 computation = Computation(step.op, sources, step.output_specs, label)
                 outputs = tuple(
                     ComputedTensor(spec, computation, k) for k, spec in enumerate(step.output_specs)
                 )
-                if len(sources) == 1:
-                    done[id(sources[0])] = outputs
+                done[key] = outputs
             new_entries.update(zip(step.outputs, outputs))
         for name in consumed:
             del table.entries[name]
@@ -194,37 +208,38 @@ class Planner:
                 table.tie(present, keep=(untouched or present)[0])
         self.groups.append(replace(group, untied=untied))
 
-    def _judge_ties(
-        self, group: StepGroup, consumed: set[str]
-    ) -> tuple[set[int], tuple[tuple[str, ...], ...]]:
-        """Tie groups this rule treats alike (kept tied, by tensor id) and those it breaks
-        (allowed only with untie, else a TieError naming rule and group)."""
-        shared: set[int] = set()
+    def _step_key(self, step: Step) -> tuple:
+        return (step.op, tuple(id(self.table[n]) for n in step.inputs))
+
+    def _judge_ties(self, group: StepGroup, consumed: set[str]) -> tuple[tuple[str, ...], ...]:
+        """Tie groups this rule breaks: allowed only with untie (returned so the plan records
+        them), else a TieError naming rule and group.
+
+        A group stays tied when the rule renames or drops its members, or when every member
+        is consumed by a step applying the same op to the same tensors (a transpose of each
+        member; a concat of parts that are tied pairwise).
+        """
+        if group.kind in ("rename", "drop"):
+            return ()
+        consumer = {n: step for step in group.steps for n in step.inputs}
         untied = []
         for members in self.table.ties():
-            hit = [m for m in members if m in consumed]
+            hit = [m for m in members if m in consumer]
             if not hit:
                 continue
-            kind = group.kind
-            if kind in ("rename", "drop"):
-                continue
-            unary = [s for s in group.steps if len(s.inputs) == 1 and s.inputs[0] in members]
-            if len(unary) == len(members) and len({s.op for s in unary}) == 1 and all(
-                len(s.outputs) == 1 for s in unary
-            ):
-                shared.add(id(self.table[members[0]]))
+            alike = len(hit) == len(members) and len({self._step_key(consumer[m]) for m in members}) == 1
+            if alike:
                 continue
             if not self.untie:
                 rest = [m for m in members if m not in hit]
-                how = "consumes" if len(unary) < len(hit) else "changes"
+                how = (f"uses {', '.join(repr(m) for m in hit)} but not {', '.join(repr(m) for m in rest)}"
+                       if rest else "treats its members differently (one is combined with other tensors)")
                 raise TieError(
-                    f"{group.describe()} {how} {', '.join(repr(m) for m in hit)} but not "
-                    f"{', '.join(repr(m) for m in rest) or 'the same way'} of the tied group "
-                    f"{members}; this would break the tie. Pass --untie to write the other "
-                    "members as their own copies"
+                    f"{group.describe()} {how} of the tied group {members}; this would break the "
+                    "tie. Pass --untie to write the members as separate copies"
                 )
             untied.append(tuple(members))
-        return shared, tuple(untied)
+        return tuple(untied)
 
 
 def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
@@ -322,8 +337,14 @@ def _match(rule: Rule, pattern, name: str):
 def _outputs(rule: Rule, binding: dict[str, str], specs: Sequence[TensorSpec]) -> list[str]:
     if rule.op.kind == "unstack":
         count = rule.op.output_count(specs)
-        return [rule.outputs[0].format({**binding, rule.over: str(k)}) for k in range(count)]
-    return [p.format(binding) for p in rule.outputs]
+        names = [rule.outputs[0].format({**binding, rule.over: str(k)}) for k in range(count)]
+    else:
+        names = [p.format(binding) for p in rule.outputs]
+    for name in names:
+        if not name or "" in name.split("."):
+            raise PlanError(f"output pattern makes the name {name!r}, which has an empty segment; "
+                            "use {x*} for parts that may be empty")
+    return names
 
 
 def _closest_hint(name: str, names: Sequence[str]) -> str:

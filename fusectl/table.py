@@ -61,13 +61,24 @@ class ParamTable:
 
     def unique_name(self, name: str) -> str:
         """The group's unique name: a stored member, else (and among several) the first sorted."""
-        members = self.aliases_of(name)
+        return self._chosen(self.aliases_of(name))
+
+    def _chosen(self, members: list[str]) -> str:
         kept = [m for m in members if m in self.stored]
         return (kept or members)[0]
 
+    def unique_names(self) -> dict[str, str]:
+        """Every structural name's unique name, computed in one pass over the table."""
+        out: dict[str, str] = {}
+        for members in self.groups().values():
+            chosen = self._chosen(members)
+            out.update((m, chosen) for m in members)
+        return out
+
     def unique(self) -> list[tuple[str, LazyTensor]]:
         """(unique name, tensor) for each unique parameter, in unique-name order."""
-        return sorted((self.unique_name(g[0]), self.entries[g[0]]) for g in self.groups().values())
+        return sorted(((self._chosen(g), self.entries[g[0]]) for g in self.groups().values()),
+                      key=lambda item: item[0])
 
     def tie(self, names: Iterable[str], *, keep: str) -> None:
         """Make every name in ``names`` refer to ``keep``'s tensor."""

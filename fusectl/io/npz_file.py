@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError, quote
+from ..errors import CheckpointError, OutputError, quote
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
 
 DTYPES_MEMBER = "__fusectl_dtypes__"
@@ -67,6 +67,13 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
             if dtype.hasobject:
                 raise CheckpointError(f"{where}: holds Python objects (pickle); fusectl never unpickles npz data")
             spec = TensorSpec(dtypes.from_numpy(dtype, where), tuple(shape))
+            if name in tensors:
+                raise CheckpointError(f"{where}: the archive holds two members of this name")
+            if info.file_size != header_end + spec.nbytes:
+                raise CheckpointError(
+                    f"{where}: the member holds {info.file_size - header_end} data bytes, but "
+                    f"{spec} needs {spec.nbytes}; the archive is truncated or corrupt"
+                )
             if info.compress_type == zipfile.ZIP_STORED and not fortran:
                 raw.seek(info.header_offset)
                 local = raw.read(30)
@@ -77,19 +84,35 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
                 tensors[name] = FileTensor(spec, ByteRange(path, start, spec.nbytes), name)
             else:
                 tensors[name] = NpzMemberTensor(spec, path, info.filename, name)
-    metadata: dict[str, str] = {}
-    if METADATA_MEMBER in extras:
-        metadata = json.loads(extras[METADATA_MEMBER].decode())
-    if DTYPES_MEMBER in extras:
-        real = json.loads(extras[DTYPES_MEMBER].decode())
-        for name, dtype_name in real.items():
-            tensor = tensors[name]
-            spec = TensorSpec(dtypes.from_safetensors(dtype_name, f"{path}: {quote(name)}"), tensor.spec.shape)
-            tensors[name] = (
-                FileTensor(spec, tensor.location, name) if isinstance(tensor, FileTensor)
-                else NpzMemberTensor(spec, tensor.path, tensor.member, name)
+    metadata = _string_map(extras, METADATA_MEMBER, path)
+    for name, dtype_name in _string_map(extras, DTYPES_MEMBER, path).items():
+        if name not in tensors:
+            raise CheckpointError(f"{path}: {DTYPES_MEMBER} names {quote(name)}, which the archive lacks")
+        tensor = tensors[name]
+        spec = TensorSpec(dtypes.from_safetensors(dtype_name, f"{path}: {quote(name)}"), tensor.spec.shape)
+        if spec.nbytes != tensor.spec.nbytes:
+            raise CheckpointError(
+                f"{path}: {DTYPES_MEMBER} makes {quote(name)} {spec}, which does not fit its "
+                f"{tensor.spec.nbytes} stored bytes"
             )
+        tensors[name] = (
+            FileTensor(spec, tensor.location, name) if isinstance(tensor, FileTensor)
+            else NpzMemberTensor(spec, tensor.path, tensor.member, name)
+        )
     return tensors, metadata
+
+
+def _string_map(extras: dict[str, bytes], member: str, path: str) -> dict[str, str]:
+    """A fusectl JSON member of an npz: an object of strings, or a CheckpointError."""
+    if member not in extras:
+        return {}
+    try:
+        value = json.loads(extras[member].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: member {member} is not valid JSON ({e})") from e
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise CheckpointError(f"{path}: member {member} must map strings to strings")
+    return value
 
 
 _STORAGE_TYPE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -99,6 +122,10 @@ class NpzWriter:
     """Writes an uncompressed npz member by member (extension dtypes stored as raw uints)."""
 
     def __init__(self, path: str, entries, metadata):
+        reserved = [n for n, _ in entries if n in _RESERVED]
+        if reserved:
+            raise OutputError(f"{path}: tensor {quote(reserved[0])} has a name fusectl reserves in npz "
+                              "files; rename it or write .safetensors")
         self.path = path
         self._specs = dict(entries)
         self._zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)

@@ -50,6 +50,9 @@ def atomic_output(path: str, *, force: bool, inputs: Sequence[str]) -> Iterator[
         source = os.path.realpath(source)
         if target == source or source.startswith(target.rstrip(os.sep) + os.sep):
             raise OutputError(f"{path}: the output would overwrite the input {source}; choose another -o")
+        if os.path.isdir(source) and target.startswith(source.rstrip(os.sep) + os.sep):
+            raise OutputError(f"{path}: the output would land inside the input folder {source}; "
+                              "choose another -o")
     if os.path.lexists(target) and not force:
         raise OutputError(f"{path}: already exists; pass --force to replace it")
     parent = os.path.dirname(target)

@@ -7,6 +7,7 @@ so fusectl reads the (tiny, documented) header itself to keep byte offsets for z
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import struct
@@ -127,7 +128,7 @@ class SafetensorsWriter:
     def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]],
                  metadata: Mapping[str, str], align_to: int | None = None):
         self.path = path
-        self._pending = list(entries)
+        self._pending = collections.deque(entries)
         # unbuffered, so array writes and kernel range copies share one file offset
         self._file: BinaryIO = open(path, "wb", buffering=0)
         write_all(self._file.fileno(), header_bytes(entries, metadata, align_to))
@@ -135,13 +136,16 @@ class SafetensorsWriter:
         self._ranges: list[ByteRange] = []
 
     def write(self, name: str, data: np.ndarray | tuple[ByteRange, ...]) -> None:
-        expected, spec = self._pending.pop(0)
+        expected, spec = self._pending.popleft()
         assert name == expected, f"writer expected {expected!r}, got {name!r}"
         if isinstance(data, np.ndarray):
             assert data.dtype == spec.dtype.numpy and data.shape == spec.shape, (name, data.dtype, data.shape, spec)
             self._flush()
             write_all(self._file.fileno(), np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
             return
+        if sum(r.length for r in data) != spec.nbytes:
+            raise CheckpointError(f"{self.path}: {name!r} would get {sum(r.length for r in data)} "
+                                  f"bytes for {spec}; the plan and the data disagree")
         for r in data:
             last = self._ranges[-1] if self._ranges else None
             if last and last.path == r.path and last.offset + last.length == r.offset:

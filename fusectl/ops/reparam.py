@@ -104,7 +104,7 @@ class WeightNormFold(Op):
         norm = norm_except(vc, dim)
         if not np.all(norm > 0):
             raise ComputeError("a slice of v has zero norm; weight_norm would divide by zero")
-        return [(vc * (gc / norm)).astype(v.dtype)]
+        return [np.asarray(vc * (gc / norm)).astype(v.dtype)]
 
     def inverse(self, specs):
         if specs is None:
@@ -215,7 +215,7 @@ class SpectralNormFold(Op):
         sigma = uc @ (spectral_matrix(wc, dims[0]) @ vc)
         if not np.isfinite(sigma) or sigma <= 0:
             raise ComputeError(f"σ = u·(M v) is {float(sigma)}; spectral_norm needs a positive finite σ")
-        return [(wc / sigma).astype(w.dtype)]
+        return [np.asarray(wc / sigma).astype(w.dtype)]
 
     @staticmethod
     def _consistent(w, u, v, dims) -> list[int]:

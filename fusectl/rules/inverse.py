@@ -33,4 +33,6 @@ def invert_rule(rule: Rule) -> Rule:
 
 
 def invert_ruleset(ruleset: RuleSet) -> RuleSet:
-    return replace(ruleset, rules=tuple(invert_rule(r) for r in reversed(ruleset.rules)))
+    """The rules that undo ``ruleset``, last first; ``refuse`` guards change nothing and are left out."""
+    rules = [r for r in reversed(ruleset.rules) if r.op.kind != "refuse"]
+    return replace(ruleset, rules=tuple(invert_rule(r) for r in rules))

@@ -114,4 +114,9 @@ def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -
         return plan
     if candidate.provenance is None or not candidate.provenance.plan.groups:
         raise VerifyError(f"{candidate.path}: no fusectl provenance; pass -r RULES to say how it was made")
-    return candidate.provenance.plan
+    plan = candidate.provenance.plan
+    # a reference that was itself fused records the start of the candidate's history
+    done = reference.provenance.plan.groups if reference.provenance else ()
+    if done and plan.groups[:len(done)] == done:
+        return Plan(plan.groups[len(done):])
+    return plan

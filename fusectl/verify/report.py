@@ -103,7 +103,7 @@ class VerifyReport:
         for key in ("mode", "reference", "candidate", "provider", "precision", "seed"):
             ET.SubElement(props, "property", name=key, value=str(getattr(self, key)))
         for c in self.checks:
-            case = ET.SubElement(suite, "testcase", classname=f"fusectl.verify.{c.kind}", name=c.name)
+            case = ET.SubElement(suite, "testcase", classname=f"fusectl.verify.{c.kind}", name=printable(c.name))
             if not c.passed:
                 message = c.detail
                 if c.comparison:
@@ -111,5 +111,5 @@ class VerifyReport:
                     message = (f"{m.mismatches} element(s) differ; max abs {m.max_abs:.3g}, max rel "
                                f"{m.max_rel:.3g}; would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}"
                                + (f"; {c.detail}" if c.detail else ""))
-                ET.SubElement(case, "failure", message=message)
+                ET.SubElement(case, "failure", message=printable(message))
         return ET.tostring(ET.ElementTree(suite).getroot(), encoding="utf-8", xml_declaration=True)
