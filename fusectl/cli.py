@@ -434,8 +434,8 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
 @rules_option
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="onnxruntime provider; cuda must really run on CUDA.")
-@click.option("--rtol", type=float, default=None, help="Relative tolerance (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2).")
-@click.option("--atol", type=float, default=None, help="Absolute tolerance (default by dtype, as --rtol).")
+@click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Relative tolerance (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2).")
+@click.option("--atol", type=click.FloatRange(min=0), default=None, help="Absolute tolerance (default by dtype, as --rtol).")
 @click.option("--input", "input_shapes", multiple=True, metavar="NAME=D0xD1...",
               help="Shape of a dynamic model input (repeatable; default 1 for dynamic dimensions).")
 @click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), default=None,

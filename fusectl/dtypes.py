@@ -99,8 +99,3 @@ def from_numpy(dtype: np.dtype, where: str) -> DType:
         return _BY_NUMPY[np.dtype(dtype)]
     except KeyError:
         raise CheckpointError(f"{where}: unsupported numpy dtype {np.dtype(dtype)}") from None
-
-
-def compute_dtype(dtype: DType) -> np.dtype:
-    """The dtype numeric ops compute in: float64 for float64 inputs, float32 otherwise."""
-    return np.dtype(np.float64) if dtype.numpy == np.float64 else np.dtype(np.float32)

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .errors import ComputeError
+from .errors import ComputeError, OutputError
 from .io.output import atomic_output, open_writer, output_kind, plan_shards
 from .io.safetensors_file import PAGE
 from .io.provenance import METADATA_KEY, Provenance
@@ -112,6 +112,8 @@ def write_table(
     """
     unique = sorted(table.unique(), key=lambda item: _source_key(item[1]))
     kind = output_kind(out)
+    if max_shard_size is not None and kind != "folder":
+        raise OutputError(f"{out}: --max-shard-size applies to folder outputs; drop it or write a folder")
     shards = _cut_shards(unique, kind, max_shard_size)
     alignments = [_page_offset(shard) for shard in shards]
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]

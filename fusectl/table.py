@@ -15,7 +15,7 @@ class ParamTable:
 
     >>> from fusectl.dtypes import BY_NAME
     >>> from fusectl.tensors import FileTensor, ByteRange, TensorSpec
-    >>> t = FileTensor(TensorSpec(BY_NAME["F32"], (2,)), ByteRange("f", 0, 8), "emb.weight")
+    >>> t = FileTensor(TensorSpec(BY_NAME["F32"], (2,)), ByteRange("f", 0, 8))
     >>> table = ParamTable({"emb.weight": t, "head.weight": t}, {"emb.weight"})
     >>> table.ties()
     [['emb.weight', 'head.weight']]

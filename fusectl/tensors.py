@@ -79,7 +79,6 @@ class FileTensor(LazyTensor):
 
     spec: TensorSpec
     location: ByteRange
-    stored_name: str
 
     def byte_ranges(self) -> tuple[ByteRange, ...]:
         return (self.location,)

@@ -577,3 +577,88 @@ def test_output_symlink_pointing_at_the_input(cli, area, copy_fixture):
     # whatever the outcome, the input's bytes must be intact
     assert snapshot(src) == before
     assert "Traceback" not in result.output
+
+
+# ------------------------------------------------------------- found in review
+
+
+def _zip_npz(path, members: dict[str, bytes]):
+    import zipfile
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _npy(array: np.ndarray) -> bytes:
+    import io
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def test_truncated_npz_member_is_refused(cli, area):
+    full = _npy(np.arange(8, dtype=np.float32))
+    src = _zip_npz(area / "in" / "short.npz", {"a.npy": full[:-16]})
+    before = snapshot(area / "in")
+    result = cli("inspect", src)
+    assert result.exit_code == 2 and "a" in result.stderr and "truncated" in result.stderr
+    assert snapshot(area / "in") == before
+
+
+def test_malformed_fusectl_npz_members_are_errors(cli, area):
+    good = _npy(np.zeros(3, np.uint8))
+    cases = {
+        "meta.npz": {"a.npy": good, "__fusectl_metadata__.npy": _npy(np.frombuffer(b"not json", np.uint8))},
+        "dtypes.npz": {"a.npy": good, "__fusectl_dtypes__.npy": _npy(np.frombuffer(b'{"zz": "F32"}', np.uint8))},
+        "size.npz": {"a.npy": good, "__fusectl_dtypes__.npy": _npy(np.frombuffer(b'{"a": "BF16"}', np.uint8))},
+    }
+    for name, members in cases.items():
+        result = cli("inspect", _zip_npz(area / "in" / name, members))
+        assert result.exit_code == 2, (name, result.output)
+        assert result.stderr.startswith("error:") and "internal error" not in result.stderr, name
+
+
+def test_output_inside_the_input_folder_is_refused(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    before = snapshot(area / "in")
+    # the folder itself is the input; and a file input's config.json is an input too
+    for ckpt, out in ((src, src / "fused.safetensors"), (src / "model.safetensors", src / "config.json")):
+        result = cli("fuse", ckpt, "-r", "llama-qkv", "-o", out, "--force")
+        assert result.exit_code == 2, result.output
+        assert "input" in result.stderr
+    assert snapshot(area / "in") == before
+
+
+def test_edited_provenance_is_refused(cli, area, tmp_path):
+    from fusectl.io.safetensors_file import read_header
+    src = write_safetensors(area / "in" / "m.safetensors", {"w": np.arange(9, dtype=np.float32).reshape(3, 3)})
+    rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nop = "reshape"\ninput = "w"\noutput = "flat"\nshape = [-1]\n')
+    fused = area / "in" / "f.safetensors"
+    ok(cli("fuse", src, "-r", rules, "-o", fused))
+    raw = fused.read_bytes()
+    tampered = area / "in" / "t.safetensors"
+    # the record says the reshape made F32[9]; claim F32[4] (same header length: one digit each)
+    tampered.write_bytes(raw.replace(b'[\\"F32\\",[9]]', b'[\\"F32\\",[4]]', 1))
+    assert tampered.read_bytes() != raw
+    out = area / "out" / "u.safetensors"
+    result = cli("unfuse", tampered, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert not out.exists()
+
+
+def test_duplicate_names_in_a_safetensors_header_are_refused(cli, area):
+    header = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}'
+    header += b" " * (-len(header) % 8)
+    path = area / "in" / "dup.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02")
+    result = cli("inspect", path)
+    assert result.exit_code == 2 and "'a' twice" in result.stderr
+
+
+def test_max_shard_size_with_a_file_output_is_refused(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "x.safetensors"
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", out, "--max-shard-size", "1KB")
+    assert result.exit_code == 2 and "--max-shard-size" in result.stderr
+    assert not out.exists()

@@ -182,15 +182,6 @@ def test_repeated_placeholder_binds_same_text():
     assert q.match("layers.3.sub.33.w") is None
 
 
-def test_fixed_binding_restricts_match():
-    p = Pattern.parse("{p*}.layers.{i}.w")
-    assert p.match("m.layers.1.w", fixed={"i": "1"}) == {"p": "m", "i": "1"}
-    assert p.match("m.layers.2.w", fixed={"i": "1"}) is None
-    # a fixed empty {p*} makes its dot vanish
-    assert p.match("layers.1.w", fixed={"p": ""}) == {"p": "", "i": "1"}
-    assert p.match("m.layers.1.w", fixed={"p": ""}) is None
-
-
 # --- format -------------------------------------------------------------------------------
 
 

@@ -615,3 +615,11 @@ def test_plan_is_made_after_the_file_is_gone(tmp_path):
     plan, out = make_plan(table, [rules(FUSING_RULES)])
     assert [g.rule for g in plan.groups] == ["qkv", "t"]
     assert out.names() == ["l.0.qkv_t", "l.1.qkv_t"]
+
+
+def test_an_output_name_with_an_empty_segment_is_refused(tmp_path):
+    table = open_table(tmp_path, {"weight": rows(1)})
+    rs = rules('[[rule]]\nname = "r"\nop = "rename"\ninput = "{p*}.weight"\noutput = "{p}.w"\n')
+    with pytest.raises(PlanError) as e:
+        make_plan(table, [rs])
+    assert "'.w'" in str(e.value) and "'r'" in str(e.value)

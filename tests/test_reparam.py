@@ -243,3 +243,10 @@ def test_bn_fold_without_bias_treats_it_as_zeros():
     folded, bias = op.apply([w, gamma, beta, mean, var])
     np.testing.assert_allclose(folded, w * np.array([[1.0], [1.0]]), rtol=1e-6)  # gamma/sqrt(var+eps) = 1
     np.testing.assert_allclose(bias, [0.5 * -1 + 1, -1 * 1 - 1], rtol=1e-6)
+
+
+def test_weight_norm_fold_of_0d_tensors(tmp_path):
+    src = tmp_path / "s.safetensors"
+    save_file({"m.weight_g": np.array(2.0, np.float32), "m.weight_v": np.array(-3.0, np.float32)}, str(src))
+    out = fuse(tmp_path, src, "weight-norm-fold")
+    assert load_file(out)["m.weight"] == np.float32(-2.0)  # g * v / |v|

@@ -319,3 +319,19 @@ def test_not_an_rnn_is_an_error(cli, copy_fixture, tmp_path):
         result = cli("fuse", src, "-r", preset, "-o", tmp_path / "x.safetensors")
         assert result.exit_code == 2 and result.stderr.startswith("error:"), (preset, result.output)
         assert "weight_ih_l" in result.stderr
+
+
+def test_unfuse_with_rules_skips_refuse_guards(tmp_path):
+    from click.testing import CliRunner
+    from safetensors.numpy import save_file
+    from fusectl.cli import main as cli_main
+    src = tmp_path / "m.safetensors"
+    save_file({"a.w": np.ones((2, 2), np.float32)}, str(src))
+    rules = tmp_path / "r.toml"
+    rules.write_text('version = 1\n[[rule]]\nop = "refuse"\ninput = "{p*}.weight_hr_l{k:int}"\n'
+                     'message = "no"\noptional = true\n[[rule]]\nop = "rename"\ninput = "a.w"\noutput = "b.w"\n')
+    runner = CliRunner()
+    fused, back = tmp_path / "f.safetensors", tmp_path / "b.safetensors"
+    assert runner.invoke(cli_main, ["fuse", str(src), "-r", str(rules), "-o", str(fused)]).exit_code == 0
+    result = runner.invoke(cli_main, ["unfuse", str(fused), "-r", str(rules), "-o", str(back)])
+    assert result.exit_code == 0, result.output

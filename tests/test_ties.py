@@ -492,3 +492,16 @@ def test_untie_then_unfuse_restores_the_tie(cli, copy_fixture, tmp_path):
     report = ok(cli("inspect", back, "--json")).json()
     assert report["ties"] == [["embed.weight", "head.weight"]]
     assert sorted(tensors) == ["embed.weight", "proj.bias", "proj.weight"]
+
+
+def test_splitting_every_member_alike_keeps_the_parts_tied_and_unfuse_restores(cli, copy_fixture, tmp_path):
+    src = copy_fixture(TIED)
+    rules = write_rules(tmp_path / "s.toml", 'version = 1\n[[rule]]\nop = "split"\ninput = "{m}.weight"\n'
+                                             'outputs = ["{m}.a", "{m}.b"]\n')
+    out, back = tmp_path / "out.safetensors", tmp_path / "back.safetensors"
+    ok(cli("fuse", src, "-r", rules, "-o", out))
+    report = ok(cli("inspect", out, "--json")).json()
+    assert ["embed.a", "head.a"] in report["ties"] and ["embed.b", "head.b"] in report["ties"]
+    ok(cli("unfuse", out, "-o", back))
+    assert ok(cli("inspect", back, "--json")).json()["ties"] == [["embed.weight", "head.weight"]]
+    assert parse_safetensors(back)[0]["embed.weight"] == parse_safetensors(src)[0]["embed.weight"]

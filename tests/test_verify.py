@@ -265,3 +265,13 @@ def test_bf16_models_run_upcast_to_float32_on_cpu_and_say_so(tmp_path):
     w2[0, 0] += 1.0
     b = _bf16_model(tmp_path / "b.onnx", w2)
     assert run("verify", a, b).exit_code == 1
+
+
+def test_verify_replays_only_what_the_reference_lacks(tmp_path):
+    src = FIXTURES / "tiny-llama-gqa"
+    once = fuse(src, tmp_path / "once", "llama-qkv")
+    twice = fuse(once, tmp_path / "twice", "llama-gate-up")
+    result = run("verify", once, twice)
+    assert result.exit_code == 0, result.output
+    assert "mlp-gate-up" in result.output and "attn-qkv" not in result.output
+    assert run("verify", src, twice).exit_code == 0

@@ -30,7 +30,6 @@ class NpzMemberTensor(LazyTensor):
     spec: TensorSpec
     path: str
     member: str
-    stored_name: str
 
     def read(self) -> np.ndarray:
         with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as f:
@@ -81,9 +80,9 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
                     raise CheckpointError(f"{where}: corrupt zip entry")
                 name_len, extra_len = struct.unpack("<HH", local[26:30])
                 start = info.header_offset + 30 + name_len + extra_len + header_end
-                tensors[name] = FileTensor(spec, ByteRange(path, start, spec.nbytes), name)
+                tensors[name] = FileTensor(spec, ByteRange(path, start, spec.nbytes))
             else:
-                tensors[name] = NpzMemberTensor(spec, path, info.filename, name)
+                tensors[name] = NpzMemberTensor(spec, path, info.filename)
     metadata = _string_map(extras, METADATA_MEMBER, path)
     for name, dtype_name in _string_map(extras, DTYPES_MEMBER, path).items():
         if name not in tensors:
@@ -96,8 +95,8 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
                 f"{tensor.spec.nbytes} stored bytes"
             )
         tensors[name] = (
-            FileTensor(spec, tensor.location, name) if isinstance(tensor, FileTensor)
-            else NpzMemberTensor(spec, tensor.path, tensor.member, name)
+            FileTensor(spec, tensor.location) if isinstance(tensor, FileTensor)
+            else NpzMemberTensor(spec, tensor.path, tensor.member)
         )
     return tensors, metadata
 

@@ -45,9 +45,11 @@ def read_header(path: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: the header is not valid JSON ({e}); the file is corrupt") from e
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{path}: the header names {quote(str(e))} twice; the file is corrupt") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a JSON object; the file is corrupt")
     metadata = header.pop("__metadata__", None) or {}
@@ -84,7 +86,7 @@ def read_header(path: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
                 f"{where}: {spec} needs {spec.nbytes} bytes but data_offsets span {end - begin}"
             )
         spans.append((begin, end, name))
-        tensors[name] = FileTensor(spec, ByteRange(path, data_start + begin, end - begin), name)
+        tensors[name] = FileTensor(spec, ByteRange(path, data_start + begin, end - begin))
     spans.sort()
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
@@ -93,6 +95,19 @@ def read_header(path: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
 
 
 PAGE = 4096
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def header_bytes(

@@ -117,9 +117,8 @@ class Pattern:
                     segments[-1].append(piece)
         return segments
 
-    def regex(self, fixed: dict[str, str] | None = None, lazy: bool = False) -> re.Pattern:
-        """Regex for this pattern; placeholders in ``fixed`` must take those values."""
-        fixed = fixed or {}
+    def regex(self, lazy: bool = False) -> re.Pattern:
+        """Regex for this pattern (lazy quantifiers when ``lazy``, to detect two bindings)."""
         q = "?" if lazy else ""
         out: list[str] = []
         used: set[str] = set()
@@ -129,18 +128,6 @@ class Pattern:
             part = parts[i]
             if isinstance(part, str):
                 out.append(re.escape(part))
-                i += 1
-                continue
-            if part.name in fixed:
-                value = fixed[part.name]
-                if part.kind == "multi" and value == "":
-                    # the joining dot vanishes with the empty match
-                    if i + 1 < len(parts) and isinstance(parts[i + 1], str):
-                        parts[i + 1] = parts[i + 1][1:]
-                    elif out and out[-1].endswith(r"\."):
-                        out[-1] = out[-1][:-2]
-                else:
-                    out.append(re.escape(value))
                 i += 1
                 continue
             if part.name in used:
@@ -166,29 +153,25 @@ class Pattern:
             i += 1
         return re.compile("".join(out))
 
-    def match(self, name: str, fixed: dict[str, str] | None = None) -> dict[str, str] | None:
+    def match(self, name: str) -> dict[str, str] | None:
         """Bind this pattern to ``name``; None when it does not match.
 
         Raises RuleError when the name can be bound two ways (greedy and lazy disagree).
         """
-        greedy = self.regex(fixed).fullmatch(name)
+        greedy = self.regex().fullmatch(name)
         if greedy is None:
             return None
-        lazy = self.regex(fixed, lazy=True).fullmatch(name)
-        bound = self._binding(greedy, fixed)
-        if lazy is not None and self._binding(lazy, fixed) != bound:
+        lazy = self.regex(lazy=True).fullmatch(name)
+        bound = self._binding(greedy)
+        if lazy is not None and self._binding(lazy) != bound:
             raise RuleError(
                 f"pattern {self.text!r} binds {name!r} two ways "
-                f"({bound} and {self._binding(lazy, fixed)}); make the pattern more specific"
+                f"({bound} and {self._binding(lazy)}); make the pattern more specific"
             )
         return bound
 
-    def _binding(self, m: re.Match, fixed: dict[str, str] | None) -> dict[str, str]:
-        bound = dict(fixed or {})
-        for p in self.placeholders:
-            if p.name not in bound:
-                bound[p.name] = m.group(p.name) or ""
-        return {p.name: bound[p.name] for p in self.placeholders}
+    def _binding(self, m: re.Match) -> dict[str, str]:
+        return {p.name: m.group(p.name) or "" for p in self.placeholders}
 
     def format(self, binding: dict[str, str]) -> str:
         """The name this pattern makes under ``binding``; every placeholder must be bound."""

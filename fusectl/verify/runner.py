@@ -115,6 +115,9 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
             value = rng.integers(0, 2, shape).astype(dtype)
         feeds[meta.name] = value
         specs.append(InputSpec(meta.name, np.dtype(dtype), shape, "random"))
+    unknown_shapes = sorted(set(shapes) - {m.name for m in sess.get_inputs()})
+    if unknown_shapes:
+        raise VerifyError(f"--input {unknown_shapes[0]}: {what} has no such input")
     # an .npz may also hold expected outputs (as fixtures do): those are not fed
     known = {m.name for m in sess.get_inputs()} | {m.name for m in sess.get_outputs()}
     unknown = sorted(set(given) - known)
