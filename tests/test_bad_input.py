@@ -380,7 +380,7 @@ def test_unfuse_rules_that_do_not_fit(cli, area, copy_fixture):
 
 
 def test_unfuse_with_corrupt_provenance(cli, area, copy_fixture):
-    src = copy_fixture(LLAMA)
+    copy_fixture(LLAMA)
     tensors = llama_tensors(copy_fixture)
     path = write_safetensors(area / "in" / "p.safetensors", tensors, {"format": "pt", "fusectl": "{broken"})
     out = area / "out" / "restored"
@@ -631,7 +631,6 @@ def test_output_inside_the_input_folder_is_refused(cli, area, copy_fixture):
 
 
 def test_edited_provenance_is_refused(cli, area, tmp_path):
-    from fusectl.io.safetensors_file import read_header
     src = write_safetensors(area / "in" / "m.safetensors", {"w": np.arange(9, dtype=np.float32).reshape(3, 3)})
     rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nop = "reshape"\ninput = "w"\noutput = "flat"\nshape = [-1]\n')
     fused = area / "in" / "f.safetensors"

@@ -16,9 +16,7 @@ import safetensors.numpy
 
 from conftest import (
     array_of,
-    leftovers,
     load_checkpoint_raw,
-    metadata_of,
     ok,
     parse_safetensors,
     snapshot,

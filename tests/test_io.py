@@ -18,13 +18,13 @@ import safetensors
 import safetensors.numpy
 from hypothesis import given, settings, strategies as st
 
-from conftest import array_of, load_checkpoint_raw, ok, parse_safetensors, write_safetensors
+from conftest import load_checkpoint_raw, ok, parse_safetensors
 from fusectl.dtypes import ARRAY_DTYPES, BY_NAME
 from fusectl.errors import CheckpointError, OutputError
 from fusectl.io.npz_file import NpzWriter, read_npz
 from fusectl.io.output import parse_size, plan_shards
 from fusectl.io.safetensors_file import SafetensorsWriter, header_bytes, read_header
-from fusectl.tensors import ByteRange, TensorSpec
+from fusectl.tensors import TensorSpec
 
 # safetensors' own dtype list (the Rust crate's Dtype enum, as its error message spells it)
 SAFETENSORS_DTYPES = {

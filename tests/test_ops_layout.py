@@ -432,7 +432,7 @@ def test_interleave_per_head_qkv_gpt_neox_layout():
 
 
 def test_interleave_bias_per_head():
-    heads, hd = 2, 3
+    heads = 2
     q = np.array([1, 2, 3, 4, 5, 6], np.float32)
     k = q + 10
     v = q + 20

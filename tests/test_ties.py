@@ -221,7 +221,7 @@ def test_transform_of_one_member_with_untie_writes_both(cli, copy_fixture, tmp_p
     src = copy_fixture(TIED)
     rules = write_rules(tmp_path / "t.toml", TRANSPOSE_EMBED)
     out = tmp_path / "out.safetensors"
-    result = ok(cli("fuse", src, "-r", rules, "-o", out, "--untie"))
+    ok(cli("fuse", src, "-r", rules, "-o", out, "--untie"))
     tensors, meta = parse_safetensors(out)
     assert sorted(tensors) == ["embed.weight", "head.weight", "proj.bias", "proj.weight"]
     orig = array_of(parse_safetensors(src)[0]["embed.weight"])

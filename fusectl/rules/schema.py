@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from ..errors import RuleError
 from ..ops import OPS, Op
