@@ -10,7 +10,6 @@ import numpy as np
 
 from .errors import ComputeError, OutputError
 from .io.output import atomic_output, open_writer, output_kind, plan_shards
-from .io.safetensors_file import PAGE
 from .io.provenance import METADATA_KEY, Provenance
 from .plan import Computation, ComputedTensor, Plan
 from .progress import Progress
@@ -107,15 +106,13 @@ def write_table(
     Tensors are written in the order their bytes come from the input, so reads are sequential.
     A folder output is cut into shards of ``max_shard_size``; when that is None, a sharded
     input's shards are mirrored (each tensor goes with the input shard its bytes come from),
-    else one 5 GB cap applies. Each file's header is padded so that the first copied tensor
-    keeps its position within a page.
+    else one 5 GB cap applies.
     """
     unique = sorted(table.unique(), key=lambda item: _source_key(item[1]))
     kind = output_kind(out)
     if max_shard_size is not None and kind != "folder":
         raise OutputError(f"{out}: --max-shard-size applies to folder outputs; drop it or write a folder")
     shards = _cut_shards(unique, kind, max_shard_size)
-    alignments = [_page_offset(shard) for shard in shards]
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
     shard_metadata, index_metadata = output_metadata(table, plan, passthrough)
     materializer = Materializer([t for _, t in unique])
@@ -123,7 +120,7 @@ def write_table(
     copied = 0
     with atomic_output(out, force=force, inputs=inputs) as temp:
         writer = open_writer(kind, temp, entry_shards, shard_metadata, index_metadata,
-                             companions if kind == "folder" else (), alignments)
+                             companions if kind == "folder" else ())
         try:
             for name, tensor in (item for shard in shards for item in shard):
                 ranges = tensor.byte_ranges()
@@ -179,12 +176,5 @@ def _cut_shards(unique, kind: str, max_shard_size: int | None):
     by_name = dict(unique)
     return [[(name, by_name[name]) for name, _ in shard] for shard in cut]
 
-
-def _page_offset(shard) -> int | None:
-    for _, tensor in shard:
-        ranges = tensor.byte_ranges()
-        if ranges:
-            return ranges[0].offset % PAGE
-    return None
 
 

@@ -464,7 +464,7 @@ def test_write_failure_with_force_keeps_old_output(cli, area, copy_fixture, monk
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write_all(fd, data)
 
-    def failing_copy(ranges, fd):
+    def failing_copy(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(st, "write_all", failing_write_all)
@@ -483,7 +483,7 @@ def test_write_failure_without_existing_output_leaves_nothing(cli, area, copy_fi
 
     src = copy_fixture(BF16)
 
-    def failing_copy(ranges, fd):
+    def failing_copy(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(st, "copy_ranges", failing_copy)

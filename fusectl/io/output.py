@@ -85,13 +85,11 @@ class FolderWriter:
     """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
 
     def __init__(self, folder: str, shards: Sequence[Sequence[tuple[str, TensorSpec]]],
-                 shard_metadata, index_metadata: Mapping[str, str],
-                 companions: Sequence[str], alignments: Sequence[int | None]):
+                 shard_metadata, index_metadata: Mapping[str, str], companions: Sequence[str]):
         os.makedirs(folder)
         for companion in companions:
             shutil.copy2(companion, os.path.join(folder, os.path.basename(companion)))
         self._folder = folder
-        self._alignments = alignments
         self._total = sum(s.nbytes for shard in shards for _, s in shard)
         if len(shards) == 1:
             files = ["model.safetensors"]
@@ -118,8 +116,7 @@ class FolderWriter:
                 self._writer.close()
             self._current = k
             self._writer = SafetensorsWriter(
-                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k],
-                self._alignments[k],
+                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]
             )
         self._writer.write(name, data)
 
@@ -151,16 +148,15 @@ def plan_shards(entries: Sequence[tuple[str, TensorSpec]], max_size: int) -> lis
     return shards
 
 
-def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, companions, alignments):
+def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, companions):
     """A writer for ``kind``; ``shard_metadata(shard_entries)`` gives each file's metadata.
 
-    ``shards`` are the entries cut into files (one for a single-file output) and
-    ``alignments`` the page offset each file's data should start at (None: no preference).
+    ``shards`` are the entries cut into files (one for a single-file output).
     """
     if kind == "safetensors":
         (entries,) = shards
-        return SafetensorsWriter(path, entries, {**shard_metadata(entries), **index_metadata}, alignments[0])
+        return SafetensorsWriter(path, entries, {**shard_metadata(entries), **index_metadata})
     if kind == "npz":
         (entries,) = shards
         return NpzWriter(path, entries, {**shard_metadata(entries), **index_metadata})
-    return FolderWriter(path, shards, shard_metadata, index_metadata, companions, alignments)
+    return FolderWriter(path, shards, shard_metadata, index_metadata, companions)

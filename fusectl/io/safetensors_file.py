@@ -1,8 +1,9 @@
 """safetensors: header parsing (lazy, validated) and a streaming writer.
 
 The ``safetensors`` package loads whole tensors and cannot write a file tensor by tensor,
-so fusectl reads the (tiny, documented) header itself to keep byte offsets for zero-copy
-``copy_file_range`` and writes the header first, then streams each tensor.
+so fusectl reads the (tiny, documented) header itself to keep each tensor's byte offsets,
+and writes the header first, then streams each tensor: bytes that pass through unchanged
+are copied range by range without being decoded.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def read_header(path: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
     return tensors, metadata
 
 
-PAGE = 4096
+# one reused buffer per file written: large enough that per-call cost vanishes
+COPY_BUFFER = 8 << 20
 
 
 class _DuplicateKey(Exception):
@@ -110,15 +112,8 @@ def _unique_keys(pairs):
     return out
 
 
-def header_bytes(
-    entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str], align_to: int | None = None
-) -> bytes:
-    """The 8-byte length plus JSON header for tensors laid out back to back in this order.
-
-    ``align_to``: pad the header (with spaces, as the format allows) so that the data starts at
-    this offset modulo a page; a tensor copied from a file where it sat at the same position
-    within a page is then copied page-aligned, which the kernel does markedly faster.
-    """
+def header_bytes(entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]) -> bytes:
+    """The 8-byte length plus JSON header for tensors laid out back to back in this order."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -132,23 +127,21 @@ def header_bytes(
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % ALIGNMENT)
-    if align_to is not None and (align_to - 8 - len(raw)) % ALIGNMENT == 0:
-        raw += b" " * ((align_to - 8 - len(raw)) % PAGE)
     return struct.pack("<Q", len(raw)) + raw
 
 
 class SafetensorsWriter:
     """Writes one safetensors file: header first, then tensors in the declared order."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]],
-                 metadata: Mapping[str, str], align_to: int | None = None):
+    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]):
         self.path = path
         self._pending = collections.deque(entries)
         # unbuffered, so array writes and kernel range copies share one file offset
         self._file: BinaryIO = open(path, "wb", buffering=0)
-        write_all(self._file.fileno(), header_bytes(entries, metadata, align_to))
-        # consecutive file ranges are merged into one kernel copy (fewer, larger copies)
+        write_all(self._file.fileno(), header_bytes(entries, metadata))
+        # consecutive file ranges are merged into one copy (fewer, larger reads)
         self._ranges: list[ByteRange] = []
+        self._buffer: memoryview | None = None
 
     def write(self, name: str, data: np.ndarray | tuple[ByteRange, ...]) -> None:
         expected, spec = self._pending.popleft()
@@ -169,7 +162,9 @@ class SafetensorsWriter:
                 self._ranges.append(r)
 
     def _flush(self) -> None:
-        copy_ranges(self._ranges, self._file.fileno())
+        if self._ranges and self._buffer is None:
+            self._buffer = memoryview(bytearray(COPY_BUFFER))
+        copy_ranges(self._ranges, self._file.fileno(), self._buffer)
         self._ranges = []
 
     def close(self) -> None:
@@ -181,24 +176,24 @@ class SafetensorsWriter:
         self._file.close()
 
 
-def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int) -> None:
-    """Append file ranges to ``dst_fd`` in the kernel (copy_file_range), falling back to reads."""
+def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | None) -> None:
+    """Append file ranges to ``dst_fd`` through ``buffer`` (positional reads, plain writes).
+
+    Measured on ext4 (2-core VM, warm cache, 495 MB): this moves about 4.4 GB/s whatever the
+    offsets, as fast as ``cp``; ``copy_file_range`` reached that only for a copy starting in
+    the destination's first page and ran about 1.4x slower for every later range. A reflink
+    could not be had anyway: tensor offsets in safetensors files are not block-aligned.
+    """
     for r in ranges:
         with open(r.path, "rb") as src:
             offset, left = r.offset, r.length
             while left:
-                try:
-                    done = os.copy_file_range(src.fileno(), dst_fd, left, offset)
-                except OSError:
-                    done = 0
-                if done == 0:
-                    chunk = os.pread(src.fileno(), min(left, 64 << 20), offset)
-                    if not chunk:
-                        raise CheckpointError(f"{r.path}: ended early while copying; was it truncated?")
-                    write_all(dst_fd, chunk)
-                    done = len(chunk)
-                offset += done
-                left -= done
+                got = os.preadv(src.fileno(), [buffer[: min(left, len(buffer))]], offset)
+                if got == 0:
+                    raise CheckpointError(f"{r.path}: ended early while copying; was it truncated?")
+                write_all(dst_fd, buffer[:got])
+                offset += got
+                left -= got
 
 
 def write_all(fd: int, data) -> None:
