@@ -70,7 +70,7 @@ class WriteReport:
     path: str
     tensors: int
     unique_bytes: int
-    copied_bytes: int  # bytes moved by kernel range copies, never decoded
+    copied_bytes: int  # bytes copied as file ranges, never decoded
 
 
 def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str]):

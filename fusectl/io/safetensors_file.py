@@ -136,7 +136,7 @@ class SafetensorsWriter:
     def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]):
         self.path = path
         self._pending = collections.deque(entries)
-        # unbuffered, so array writes and kernel range copies share one file offset
+        # unbuffered: array writes and range copies go straight to the file, in order
         self._file: BinaryIO = open(path, "wb", buffering=0)
         write_all(self._file.fileno(), header_bytes(entries, metadata))
         # consecutive file ranges are merged into one copy (fewer, larger reads)
