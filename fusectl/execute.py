@@ -108,11 +108,13 @@ def write_table(
     input's shards are mirrored (each tensor goes with the input shard its bytes come from),
     else one 5 GB cap applies.
     """
-    unique = sorted(table.unique(), key=lambda item: _source_key(item[1]))
+    unique = table.unique()
+    sources = {name: _source(tensor) for name, tensor in unique}
+    unique.sort(key=lambda item: _source_key(sources[item[0]]))
     kind = output_kind(out)
     if max_shard_size is not None and kind != "folder":
         raise OutputError(f"{out}: --max-shard-size applies to folder outputs; drop it or write a folder")
-    shards = _cut_shards(unique, kind, max_shard_size)
+    shards = _cut_shards(unique, sources, kind, max_shard_size)
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
     shard_metadata, index_metadata = output_metadata(table, plan, passthrough)
     materializer = Materializer([t for _, t in unique])
@@ -155,20 +157,19 @@ def _source(tensor: LazyTensor) -> ByteRange | None:
     return None
 
 
-def _source_key(tensor: LazyTensor) -> tuple:
-    src = _source(tensor)
+def _source_key(src: ByteRange | None) -> tuple:
     return (0, src.path, src.offset) if src else (1, "", 0)
 
 
-def _cut_shards(unique, kind: str, max_shard_size: int | None):
+def _cut_shards(unique, sources: Mapping[str, ByteRange | None], kind: str, max_shard_size: int | None):
     if kind != "folder":
         return [unique]
     if max_shard_size is None:
-        files = {src.path for _, t in unique if (src := _source(t)) is not None}
+        files = {src.path for src in sources.values() if src is not None}
         if len(files) > 1:  # a sharded input: keep its sharding
             shards: dict[str, list] = {}
             for name, tensor in unique:
-                src = _source(tensor)
+                src = sources[name]
                 shards.setdefault(src.path if src else "", []).append((name, tensor))
             return list(shards.values())
         max_shard_size = DEFAULT_SHARD_SIZE

@@ -210,3 +210,5 @@ def test_export_of_a_corrupt_graph_is_exit_2(tmp_path):
     graph.write_bytes(b"not a protobuf at all")
     result = run("export", ONNX / "bert", "--graph", graph, "-o", tmp_path / "o.onnx")
     assert result.exit_code == 2 and "corrupt.onnx" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "o.onnx").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["corrupt.onnx"]

@@ -285,15 +285,8 @@ class Exporter:
 
     # -- 3. everything else from the checkpoint --------------------------------------------
     def rebind(self) -> None:
-        expr = {name: None for name in self.ckpt.table.names()}
-        values: dict[str, object] = {}
-
-        def value(name):
-            if name not in values:
-                values[name] = self.param(name)
-            return values[name]
-
-        available = {name: (lambda n=name: value(n)) for name in expr}
+        # name -> how to build it from the checkpoint (built only if the graph still uses it)
+        available = {name: (lambda n=name: self.param(n)) for name in self.ckpt.table.names()}
         for group in reversed(self.plan.groups):
             for step in reversed(group.steps):
                 if step.op.kind == "rename" and step.outputs[0] in available:
@@ -316,17 +309,16 @@ class Exporter:
                 if name not in available:
                     raise ExportError(f"the graph uses {name!r} (initializer {old.name.split('/', 1)[-1]!r}), "
                                       f"which {self.ckpt.path} cannot provide")
-                new = available[name]()
-                if transposed:
-                    new = self.b.one("Transpose", [new], perm=[1, 0])
-                self._replace(old, new)
-                self.rebound += 1
+                self._rebind(old, available[name](), transposed)
         for initializer, (name, transposed) in self.direct.items():
             old = self.graph.initializers[f"fusectl_graph/{initializer}"]
             if old.uses():
-                new = self.param(name)
-                self._replace(old, self.b.one("Transpose", [new], perm=[1, 0]) if transposed else new)
-                self.rebound += 1
+                self._rebind(old, self.param(name), transposed)
+
+    def _rebind(self, old, new, transposed: bool) -> None:
+        """Uses of the graph's initializer ``old`` read ``new`` (transposed where paired so)."""
+        self._replace(old, self.b.one("Transpose", [new], perm=[1, 0]) if transposed else new)
+        self.rebound += 1
 
     # -- 4. one MatMul for the parts of a fused weight ---------------------------------------
     def fuse_shared_matmuls(self) -> None:

@@ -96,10 +96,10 @@ def map_names(
     matched_graph: set[str] = set()
     matched_unique: set[int] = set()
 
+    members = table.groups()  # tensor id -> its structural names (tied ones together)
+
     def add(tensor_id: int, initializer: str, how: str) -> None:
-        for name in names:
-            if id(table[name]) == tensor_id:
-                result.pairs.append(Pair(name, initializer, how))
+        result.pairs.extend(Pair(name, initializer, how) for name in members[tensor_id])
         matched_graph.add(initializer)
         matched_unique.add(tensor_id)
 
