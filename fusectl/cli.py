@@ -112,22 +112,26 @@ def _load_rulesets(ckpt: Checkpoint, rules: tuple[str, ...]) -> list[RuleSet]:
     return [load_rules_arg(r, ckpt.config) for r in rules]
 
 
-def _prepared_table(ckpt: Checkpoint, rulesets: list[RuleSet], adopt_detected: bool) -> ParamTable:
+def _prepared_table(ckpt: Checkpoint, rulesets: list[RuleSet], adopt_detected: bool,
+                    write_ties_once: bool = False) -> ParamTable:
     table = ckpt.table.copy()
     for ruleset in rulesets:
         declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
     if adopt_detected:
-        declare_ties(table, detect_ties(table), "--detect-ties")
+        declare_ties(table, detect_ties(table).groups, "--detect-ties")
+    if write_ties_once:
+        table.store_once()
     return table
 
 
-def _forward_plan(ckpt, rules, config_path, untie, adopt) -> tuple[Checkpoint, Plan, ParamTable]:
+def _forward_plan(ckpt, rules, config_path, untie, adopt,
+                  write_ties_once=False) -> tuple[Checkpoint, Plan, ParamTable]:
     """Open CKPT and bind RULES to it: the checkpoint, the plan and the resulting table."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
     c = open_checkpoint(ckpt, config_path)
     rulesets = _load_rulesets(c, rules)
-    plan, result = make_plan(_prepared_table(c, rulesets, adopt), rulesets, untie)
+    plan, result = make_plan(_prepared_table(c, rulesets, adopt, write_ties_once), rulesets, untie)
     return c, plan, result
 
 
@@ -163,7 +167,11 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON
 untie_option = click.option("--untie", is_flag=True,
                             help="Allow rules that break a tie (other members become copies).")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
-                            help="Adopt tensors with equal content as ties.")
+                            help="Adopt tensors with equal, non-constant content as ties.")
+write_once_option = click.option(
+    "--write-ties-once", is_flag=True,
+    help="Store a tie adopted over two stored tensors ([ties], --detect-ties) once, with the others "
+         "as aliases. transformers and safetensors.load_model do not restore such aliases.")
 
 
 @command(main, "inspect")
@@ -189,7 +197,9 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     }
     if detect:
         known = {tuple(g) for g in c.table.ties()}
-        report["suspected_ties"] = [g for g in detect_ties(c.table) if tuple(g) not in known]
+        detected = detect_ties(c.table)
+        report["suspected_ties"] = [g for g in detected.groups if tuple(g) not in known]
+        report["constant_groups_skipped"] = detected.constant_groups
     if as_json:
         _emit_json(report)
         return
@@ -203,6 +213,9 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         click.echo(f"tied: {_names(group)}")
     for group in report.get("suspected_ties", []):
         click.echo(f"suspected tie (equal content): {_names(group)}; adopt with --detect-ties on fuse/plan or [ties] in a rules file")
+    if report.get("constant_groups_skipped"):
+        click.echo(f"not suspected: {report['constant_groups_skipped']} group(s) of equal tensors whose "
+                   "elements are all one value (all-ones norms, zero biases), which are equal by chance")
     if c.provenance:
         click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
                    f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
@@ -285,7 +298,7 @@ def with_output_options(fn):
 def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, force, quiet, as_json, started):
     report = write_table(
         table, plan, out,
-        inputs=[c.path, *c.files, *c.companions, *([c.config_path] if c.config_path else [])],
+        inputs=c.input_paths(),
         passthrough=c.metadata,
         companions=c.companions,
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
@@ -316,9 +329,10 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
 @with_output_options
 @untie_option
 @adopt_option
+@write_once_option
 @config_option
 @json_option
-def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, config_path, as_json):
+def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -326,7 +340,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, confi
       fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
     """
     started = time.monotonic()
-    c, plan, result = _forward_plan(ckpt, rules, config_path, untie, adopt)
+    c, plan, result = _forward_plan(ckpt, rules, config_path, untie, adopt, write_ties_once)
     history = c.provenance.plan if c.provenance else Plan()
     _write(c, result, history + plan, out, max_shard_size, force, quiet, as_json, started)
 
@@ -336,9 +350,10 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, confi
 @rules_option
 @with_output_options
 @untie_option
+@write_once_option
 @config_option
 @json_option
-def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, config_path, as_json):
+def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -349,13 +364,16 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, config_pat
     c = open_checkpoint(ckpt, config_path)
     if rules:
         rulesets = [invert_ruleset(r) for r in reversed(_load_rulesets(c, rules))]
-        plan, result = make_plan(_prepared_table(c, rulesets, False), rulesets, untie)
+        plan, result = make_plan(_prepared_table(c, rulesets, False, write_ties_once), rulesets, untie)
         history = (c.provenance.plan if c.provenance else Plan()) + plan
     else:
         if c.provenance is None or not c.provenance.plan.groups:
             raise PlanError(f"{ckpt}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
         inverse = c.provenance.plan.inverse()
-        result = replay_plan(c.table, inverse, f"{ckpt} (provenance)", untie)
+        table = c.table.copy()
+        if write_ties_once:
+            table.store_once()
+        result = replay_plan(table, inverse, f"{ckpt} (provenance)", untie)
         history = Plan()
     _write(c, result, history, out, max_shard_size, force, quiet, as_json, started)
 

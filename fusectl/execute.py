@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .errors import ComputeError, OutputError
+from .io.checkpoint import Companion
 from .io.output import atomic_output, open_writer, output_kind, plan_shards
 from .io.provenance import METADATA_KEY, Provenance
 from .plan import Computation, ComputedTensor, Plan
@@ -76,7 +77,8 @@ class WriteReport:
 def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str]):
     """Per-file metadata (aliases in the save_model convention) and the provenance entry."""
     unique = table.unique_names()
-    aliases = {alias: unique[alias] for group in table.ties() for alias in group if alias != unique[alias]}
+    written = {name for name, _ in table.written()}
+    aliases = {alias: unique[alias] for group in table.ties() for alias in group if alias not in written}
     provenance = Provenance(plan, aliases).dumps()
 
     def shard_metadata(entries: Sequence[tuple[str, TensorSpec]]) -> dict[str, str]:
@@ -96,19 +98,20 @@ def write_table(
     *,
     inputs: Sequence[str],
     passthrough: Mapping[str, str],
-    companions: Sequence[str] = (),
+    companions: Sequence[Companion] = (),
     max_shard_size: int | None = None,
     force: bool = False,
     progress: bool | None = None,
 ) -> WriteReport:
-    """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily.
+    """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily;
+    tied members the input stored itself are written too (``ParamTable.written``).
 
     Tensors are written in the order their bytes come from the input, so reads are sequential.
     A folder output is cut into shards of ``max_shard_size``; when that is None, a sharded
     input's shards are mirrored (each tensor goes with the input shard its bytes come from),
     else one 5 GB cap applies.
     """
-    unique = table.unique()
+    unique = table.written()
     sources = {name: _source(tensor) for name, tensor in unique}
     unique.sort(key=lambda item: _source_key(sources[item[0]]))
     kind = output_kind(out)
@@ -138,7 +141,7 @@ def write_table(
             raise
         finally:
             bar.finish()
-    return WriteReport(out, len(unique), sum(t.spec.nbytes for _, t in unique), copied)
+    return WriteReport(out, len(unique), sum(t.spec.nbytes for _, t in table.unique()), copied)
 
 
 DEFAULT_SHARD_SIZE = 5 * 10**9

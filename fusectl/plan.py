@@ -198,14 +198,23 @@ class Planner:
                 )
                 done[key] = outputs
             new_entries.update(zip(step.outputs, outputs))
+        # a step's outputs are stored when an input was: an output of a stored tensor must be
+        # written even where it is tied, so that no loader loses a tensor the input had
+        stored_outputs = {o for step in group.steps if any(n in table.stored for n in step.inputs)
+                          for o in step.outputs}
         for name in consumed:
             del table.entries[name]
+        table.stored -= consumed
+        table.stored |= stored_outputs
         table.entries.update(new_entries)
         for members in group.retie:
             present = [m for m in members if m in table]
             untouched = [m for m in present if m not in new_entries]
             if len(present) > 1:
                 table.tie(present, keep=(untouched or present)[0])
+                # the copies were stored only because the tie was broken: one stays stored
+                copies = sorted(m for m in present if m in table.stored)
+                table.stored -= set(copies[1:])
         self.groups.append(replace(group, untied=untied))
 
     def _step_key(self, step: Step) -> tuple:

@@ -80,6 +80,26 @@ class ParamTable:
         return sorted(((self._chosen(g), self.entries[g[0]]) for g in self.groups().values()),
                       key=lambda item: item[0])
 
+    def written(self) -> list[tuple[str, LazyTensor]]:
+        """(name, tensor) for every name an output stores, in name order: each unique parameter
+        once, plus each further tied member that the input stored itself.
+
+        A tie adopted from equal content (``--detect-ties``, ``[ties]`` over two stored names)
+        is one parameter while planning, but loaders (transformers, ``safetensors.load_model``)
+        restore only the ties the model itself declares: dropping such a copy would lose it.
+        """
+        out = []
+        for members in self.groups().values():
+            chosen = self._chosen(members)
+            out.extend((m, self.entries[m]) for m in members if m == chosen or m in self.stored)
+        return sorted(out, key=lambda item: item[0])
+
+    def store_once(self) -> None:
+        """Each tie group keeps one stored name; outputs write its other members as aliases."""
+        for members in self.groups().values():
+            chosen = self._chosen(members)
+            self.stored -= set(members) - {chosen}
+
     def tie(self, names: Iterable[str], *, keep: str) -> None:
         """Make every name in ``names`` refer to ``keep``'s tensor."""
         tensor = self.entries[keep]

@@ -300,10 +300,19 @@ def test_ties_section_merges_bitwise_equal_tensors(cli, twins, tmp_path):
     rules = write_rules(tmp_path / "ties.toml", TIES_RULES)
     doc = ok(cli("plan", same, "-r", rules, "--json")).json()
     assert doc["result"]["ties"] == [["decoder.embed.weight", "encoder.embed.weight"]]
+    # both names were stored in the input, and no loader restores an alias the model does not
+    # declare itself: by default both stay stored
+    kept = tmp_path / "kept.safetensors"
+    ok(cli("fuse", same, "-r", rules, "-o", kept))
+    tensors, meta = parse_safetensors(kept)
+    assert sorted(tensors) == ["b", "decoder.embed.weight", "encoder.embed.weight"]
+    assert "encoder.embed.weight" not in meta and "decoder.embed.weight" not in meta
+    for name in ("decoder.embed.weight", "encoder.embed.weight"):
+        np.testing.assert_array_equal(array_of(tensors[name]), w)
+    # --write-ties-once stores one copy: the first in sorted order of the stored members
     out = tmp_path / "out.safetensors"
-    ok(cli("fuse", same, "-r", rules, "-o", out))
+    ok(cli("fuse", same, "-r", rules, "-o", out, "--write-ties-once"))
     tensors, meta = parse_safetensors(out)
-    # one stored copy: the first in sorted order of the stored members
     assert sorted(tensors) == ["b", "decoder.embed.weight"]
     assert meta["encoder.embed.weight"] == "decoder.embed.weight"
     np.testing.assert_array_equal(array_of(tensors["decoder.embed.weight"]), w)
@@ -414,15 +423,49 @@ op = "rename"
 input = "bias"
 output = "b"
 """)
+    plan = ok(cli("plan", same, "-r", rules, "--detect-ties", "--json")).json()
+    assert plan["result"]["ties"] == [["decoder.embed.weight", "encoder.embed.weight"]]
+    # adopted for planning, but both stay stored: a standard loader would not restore an alias
     out = tmp_path / "out.safetensors"
     ok(cli("fuse", same, "-r", rules, "-o", out, "--detect-ties"))
     tensors, meta = parse_safetensors(out)
+    assert sorted(tensors) == ["b", "decoder.embed.weight", "encoder.embed.weight"]
+    assert "encoder.embed.weight" not in meta
+    # --write-ties-once writes the adopted tie as an alias
+    once = tmp_path / "once.safetensors"
+    ok(cli("fuse", same, "-r", rules, "-o", once, "--detect-ties", "--write-ties-once"))
+    tensors, meta = parse_safetensors(once)
     assert len(tensors) == 2
     assert meta["encoder.embed.weight"] == "decoder.embed.weight"
     # without the flag, both stay stored
     out2 = tmp_path / "out2.safetensors"
     ok(cli("fuse", same, "-r", rules, "-o", out2))
     assert len(parse_safetensors(out2)[0]) == 3
+
+
+def test_detect_ties_never_suspects_constant_tensors(cli, tmp_path):
+    path = tmp_path / "norms.safetensors"
+    safetensors.numpy.save_file({
+        "a.norm.weight": np.ones(8, np.float32), "b.norm.weight": np.ones(8, np.float32),
+        "a.bias": np.zeros(8, np.float32), "b.bias": np.zeros(8, np.float32),
+        "c.bias": np.zeros(8, np.float32),
+        "x": np.arange(8, dtype=np.float32), "y": np.arange(8, dtype=np.float32),
+    }, str(path))
+    report = ok(cli("inspect", path, "--detect-ties", "--json")).json()
+    assert report["suspected_ties"] == [["x", "y"]]
+    assert report["constant_groups_skipped"] == 2
+    text = ok(cli("inspect", path, "--detect-ties")).output
+    assert "suspected tie (equal content): x, y" in text
+    assert "not suspected: 2 group(s)" in text
+    plan = ok(cli("plan", path, "--detect-ties", "--json", "-r", write_rules(tmp_path / "r.toml", """
+version = 1
+[[rule]]
+op = "rename"
+input = "x"
+output = "z"
+"""))).json()
+    # x and y adopted (the rename keeps the tie); none of the constant tensors
+    assert plan["result"]["ties"] == [["y", "z"]]
 
 
 # ------------------------------------------------------------------------ more tie survival

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ..errors import CheckpointError, quote
 from ..table import ParamTable
 from ..tensors import LazyTensor
-from ..ties import aliases_from_metadata, apply_aliases, merge_aliases
+from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
 from .npz_file import read_npz
 from .provenance import METADATA_KEY, Provenance
 from .safetensors_file import read_header
@@ -17,6 +17,16 @@ from .safetensors_file import read_header
 INDEX_SUFFIX = ".safetensors.index.json"
 # files that hold weights; everything else in a Hugging Face folder travels with the output
 WEIGHT_SUFFIXES = (".safetensors", INDEX_SUFFIX, ".bin", ".pt", ".pth", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5")
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A file (or an empty folder) of an input folder that is not a weight file this checkpoint
+    reads: a folder output copies it, bytes unchanged, to the same relative path."""
+
+    source: str
+    relative: str
+    is_dir: bool = False
 
 
 @dataclass
@@ -31,7 +41,12 @@ class Checkpoint:
     provenance: Provenance | None = None
     config: dict | None = None
     config_path: str | None = None
-    companions: list[str] = field(default_factory=list)
+    companions: list[Companion] = field(default_factory=list)
+
+    def input_paths(self) -> list[str]:
+        """Every path this checkpoint reads from: an output may not overwrite any of them."""
+        config = [self.config_path] if self.config_path else []
+        return [self.path, *self.files, *(c.source for c in self.companions), *config]
 
 
 def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
@@ -42,13 +57,10 @@ def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    companions: list[str] = []
+    companions: list[Companion] = []
     if os.path.isdir(path):
         target = _pick_in_folder(path)
-        companions = sorted(
-            os.path.join(path, n) for n in os.listdir(path)
-            if os.path.isfile(os.path.join(path, n)) and not n.endswith(WEIGHT_SUFFIXES)
-        )
+        companions = list_companions(path)
     else:
         target = path
 
@@ -72,17 +84,47 @@ def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
 
     table = ParamTable.from_stored(stored)
     provenance = Provenance.loads(provenance_text, target) if provenance_text else None
+    config_path = config_path or _existing(os.path.join(folder, "config.json"))
+    config = _read_config(config_path) if config_path else None
     aliases = merge_aliases([
         (f"{target} (fusectl provenance)", provenance.aliases if provenance else {}),
         (f"{target} (save_model metadata)", aliases_from_metadata(metadata, stored)),
+        (f"{config_path} (tie_word_embeddings)", aliases_from_config(config, stored)),
     ])
     apply_aliases(table, aliases, target)
     passthrough = {
         k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
     }
-    config_path = config_path or _existing(os.path.join(folder, "config.json"))
-    config = _read_config(config_path) if config_path else None
     return Checkpoint(path, fmt, files, table, passthrough, provenance, config, config_path, companions)
+
+
+def list_companions(folder: str) -> list[Companion]:
+    """Everything in ``folder`` but its top-level weight files, in path order.
+
+    Subfolders are taken whole, weight files included: they hold other modules
+    (sentence-transformers' ``1_Pooling/config.json``, ``2_Dense/model.safetensors``), not this
+    checkpoint's tensors. Top-level weight files are left out: the output's own weights
+    replace them, and a stale copy in the old layout would contradict them.
+    """
+    found: list[Companion] = []
+    seen_dirs: set[str] = set()
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen_dirs:  # a link back up the tree: do not walk it twice
+            dirs.clear()
+            continue
+        seen_dirs.add(real)
+        dirs.sort()
+        relative_root = os.path.relpath(root, folder)
+        top = relative_root == "."
+        for name in sorted(files):
+            if top and name.endswith(WEIGHT_SUFFIXES):
+                continue
+            relative = name if top else os.path.join(relative_root, name)
+            found.append(Companion(os.path.join(root, name), relative))
+        if not top and not files and not dirs:
+            found.append(Companion(root, relative_root, is_dir=True))
+    return found
 
 
 def _existing(path: str) -> str | None:

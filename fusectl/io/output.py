@@ -11,7 +11,7 @@ from typing import Iterator, Mapping, Sequence
 
 from ..errors import OutputError
 from ..tensors import TensorSpec
-from .checkpoint import INDEX_SUFFIX
+from .checkpoint import INDEX_SUFFIX, Companion
 from .npz_file import NpzWriter
 from .safetensors_file import SafetensorsWriter
 
@@ -34,11 +34,24 @@ def parse_size(text: str) -> int:
     return size
 
 
+# file names a user may mean as a single-file output that fusectl does not write: never
+# silently turn them into a folder
+_UNWRITTEN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".onnx", ".h5", ".msgpack",
+                       ".gguf", ".json", ".safetensor", ".zip", ".tar")
+
+
 def output_kind(path: str) -> str:
+    """``safetensors``, ``npz`` or ``folder``, from the output path's suffix."""
     if path.endswith(".safetensors"):
         return "safetensors"
     if path.endswith(".npz"):
         return "npz"
+    suffix = os.path.splitext(path.rstrip(os.sep))[1].lower()
+    if suffix in _UNWRITTEN_SUFFIXES:
+        raise OutputError(
+            f"{path}: fusectl writes .safetensors, .npz or a folder, not {suffix}; "
+            "choose OUT.safetensors, OUT.npz or a folder name"
+        )
     return "folder"
 
 
@@ -85,10 +98,15 @@ class FolderWriter:
     """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
 
     def __init__(self, folder: str, shards: Sequence[Sequence[tuple[str, TensorSpec]]],
-                 shard_metadata, index_metadata: Mapping[str, str], companions: Sequence[str]):
+                 shard_metadata, index_metadata: Mapping[str, str], companions: Sequence[Companion]):
         os.makedirs(folder)
         for companion in companions:
-            shutil.copy2(companion, os.path.join(folder, os.path.basename(companion)))
+            target = os.path.join(folder, companion.relative)
+            if companion.is_dir:
+                os.makedirs(target, exist_ok=True)
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(companion.source, target)
         self._folder = folder
         self._total = sum(s.nbytes for shard in shards for _, s in shard)
         if len(shards) == 1:

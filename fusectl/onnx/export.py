@@ -395,7 +395,7 @@ class Exporter:
         data_path = os.path.join(os.path.dirname(os.path.abspath(out)), data_name)
         if external and os.path.lexists(data_path) and not force:
             raise OutputError(f"{data_path}: already exists; pass --force to replace it")
-        with atomic_output(out, force=force, inputs=[self.graph_path, self.ckpt.path, *self.ckpt.files, *self.ckpt.companions]) as temp:
+        with atomic_output(out, force=force, inputs=[self.graph_path, *self.ckpt.input_paths()]) as temp:
             if not external:
                 self.ir.save(self.model, temp)
                 _check(temp)
