@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
+import safetensors.numpy
 from safetensors.numpy import save_file
 
 from fusectl.cli import main
@@ -212,3 +213,76 @@ def test_export_of_a_corrupt_graph_is_exit_2(tmp_path):
     assert result.exit_code == 2 and "corrupt.onnx" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "o.onnx").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["corrupt.onnx"]
+
+
+# ------------------------------------------------------- initializers paired by name hold data
+
+
+def _convbn_ckpt(tmp_path, folder="convbn"):
+    src = tmp_path / "src"
+    shutil.copytree(ONNX / folder, src)
+    return src / "model.safetensors"
+
+
+def test_map_reports_pairs_by_name_whose_data_differ():
+    """The dynamo exporter folds BatchNorm into each Conv and keeps the Conv's names."""
+    doc = json.loads(ok(run("map", ONNX / "convbn" / "model.safetensors", ONNX / "convbn" / "model_dynamo.onnx", "--json")).output)
+    data = {p["structural"]: p["data"] for p in doc["pairs"]}
+    assert data == {"conv1.weight": "differs", "conv2.weight": "differs", "conv2.bias": "differs"}
+    text = ok(run("map", ONNX / "convbn" / "model.safetensors", ONNX / "convbn" / "model_dynamo.onnx")).output
+    assert "3 pair(s) by name hold different data: conv1.weight, conv2.bias, conv2.weight" in text
+    # the TorchScript graph without folding holds the checkpoint's own data
+    doc = json.loads(ok(run("map", ONNX / "convbn" / "model.safetensors", ONNX / "convbn" / "model.onnx", "--json")).output)
+    assert {p["data"] for p in doc["pairs"]} == {"equal"}
+
+
+@pytest.mark.parametrize("fold_first", [False, True], ids=["unfolded-checkpoint", "conv-bn-fold-checkpoint"])
+def test_export_on_a_dynamo_graph_that_folded_batchnorm_reproduces_pytorch(tmp_path, fold_first):
+    ckpt = _convbn_ckpt(tmp_path)
+    if fold_first:
+        folded = tmp_path / "folded.safetensors"
+        ok(run("fuse", ckpt, "-r", "conv-bn-fold", "-o", folded, "--quiet"))
+        ckpt = folded
+    out = tmp_path / "out.onnx"
+    result = ok(run("export", ckpt, "--graph", ONNX / "convbn" / "model_dynamo.onnx", "-o", out, "--json"))
+    assert json.loads(result.output)["folded"] == 2
+    io = dict(np.load(ONNX / "convbn" / "io.npz"))
+    np.testing.assert_allclose(run_model(out, io)["y"], io["y"], atol=1e-4, rtol=0)
+    # the exported weights are the checkpoint's fold, not the graph's copies
+    if fold_first:
+        names = {i.name for i in onnx.load(str(out)).graph.initializer}
+        assert names == {"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}
+
+
+def test_export_refuses_an_exporter_fold_that_the_checkpoint_does_not_reproduce(tmp_path):
+    """The checkpoint's BatchNorm differs from the one the exporter folded: nothing explains
+    the graph's conv1.weight, so export stops instead of writing a graph that computes
+    something else."""
+    ckpt = _convbn_ckpt(tmp_path)
+    tensors = safetensors.numpy.load_file(str(ckpt))
+    tensors["bn1.running_var"] = tensors["bn1.running_var"] * 2
+    save_file(tensors, str(ckpt))
+    out = tmp_path / "out.onnx"
+    result = run("export", ckpt, "--graph", ONNX / "convbn" / "model_dynamo.onnx", "-o", out)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: graph initializer 'conv1.weight' has the name of checkpoint tensor 'conv1.weight'")
+    assert "optimize=False" in result.output
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "fusectl-tmp" in p.name]
+
+
+@pytest.mark.parametrize("initializer", ["embeddings.LayerNorm.weight", "encoder.layer.0.attention.self.query.bias"])
+def test_export_refuses_a_named_initializer_whose_data_was_swapped(tmp_path, initializer):
+    model = onnx.load(str(ONNX / "bert" / "model.onnx"))
+    init = next(i for i in model.graph.initializer if i.name == initializer)
+    array = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array(array[::-1].copy(), init.name))
+    graph = tmp_path / "swapped.onnx"
+    onnx.save(model, str(graph))
+    doc = json.loads(ok(run("map", ONNX / "bert" / "model.safetensors", graph, "--json")).output)
+    assert [p["structural"] for p in doc["pairs"] if p["data"] == "differs"] == [initializer]
+    out = tmp_path / "out.onnx"
+    result = run("export", ONNX / "bert", "--graph", graph, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert f"graph initializer {initializer!r} has the name of checkpoint tensor {initializer!r}" in result.output
+    assert "max abs difference" in result.output and "Traceback" not in result.output
+    assert not out.exists()

@@ -32,6 +32,7 @@ from ..plan import Plan, Planner, StepGroup
 from ..table import ParamTable
 from ..tensors import LazyTensor, TensorSpec
 from .graph import initializer_views, load_model
+from .exporter_folds import BatchNormFold, recognise_batchnorm_folds, same_within_tolerance
 from .namemap import NameMap, map_names
 from .unfuse import LAYOUT_KINDS, unfuse_in_onnx
 
@@ -93,9 +94,10 @@ class IRBuilder:
     def ints(self, values):
         return self.constant(np.asarray(list(values), np.int64))
 
-    def constant(self, array: np.ndarray):
+    def constant(self, array: np.ndarray, name: str | None = None):
         self.count += 1
-        value = self.ir.Value(name=f"fusectl_const_{self.count}", const_value=self.ir.tensor(array))
+        name = name or f"fusectl_const_{self.count}"
+        value = self.ir.Value(name=name, const_value=self.ir.tensor(array, name=name))
         self.graph.register_initializer(value)
         return value
 
@@ -154,28 +156,46 @@ class Exporter:
         readers, specs = initializer_views(self.model)
         original = original_table(self.ckpt.table, self.plan)
         mapping = map_names(original, readers, specs)
+        # initializers named like checkpoint tensors but holding folded values: explained as
+        # the exporter's own Conv+BatchNorm folds, or refused
+        folds = recognise_batchnorm_folds(self.graph, original, mapping)
+        explained_ckpt = set().union(*(f.checkpoint_names() for f in folds))
+        explained_graph = set().union(*(f.graph_initializers() for f in folds))
         self.graph_value: dict[str, list[tuple[object, bool]]] = {}
         for p in mapping.pairs:
+            if p.data == "differs":
+                continue
             value = self.graph.initializers[p.initializer]
             self.graph_value.setdefault(p.structural, []).append((value, p.how == "transposed"))
         # the graph's paired initializers move aside, freeing their names for the checkpoint's
         # initializers the exporter already made in the fused layout (an LSTM's packed W/R/B):
         # paired with the checkpoint's own tensors
-        rest = [n for n in mapping.unmatched_graph]
+        rest = [n for n in mapping.unmatched_graph if n not in explained_graph]
         direct = map_names(self.ckpt.table, {n: readers[n] for n in rest}, {n: specs[n] for n in rest})
         self.direct = {p.initializer: (p.structural, p.how == "transposed") for p in direct.pairs}
-        self._refuse_stale_weights(original, mapping, direct, specs)
+        self._refuse_stale_weights(original, mapping, direct, specs, explained_ckpt)
         for name in {p.initializer for p in mapping.pairs} | set(self.direct):
             value = self.graph.initializers.pop(name)
             value.name = f"fusectl_graph/{name}"
             self.graph.register_initializer(value)
+        for fold in folds:
+            self._use_checkpoint_fold(fold)
         return mapping
 
-    def _refuse_stale_weights(self, original: ParamTable, mapping: NameMap, direct: NameMap, specs) -> None:
+    def _use_checkpoint_fold(self, fold: BatchNormFold) -> None:
+        """The Conv the exporter folded takes the fold of the checkpoint's own tensors."""
+        weight = self.b.constant(fold.folded_weight, f"fusectl_fold/{fold.weight}")
+        bias = self.b.constant(fold.folded_bias, f"fusectl_fold/{fold.bias or fold.weight + '_bias'}")
+        fold.node.replace_input_with(1, weight)
+        fold.node.replace_input_with(2, bias)
+        self.folded += 1
+
+    def _refuse_stale_weights(self, original: ParamTable, mapping: NameMap, direct: NameMap, specs,
+                              explained: set[str]) -> None:
         """An unpaired graph initializer shaped like an unpaired checkpoint tensor is a weight
         whose data differs: keeping it would export the graph's old weight silently."""
         unpaired = [n for n in mapping.unmatched_checkpoint if original[n].has_data()
-                    and n not in {p.structural for p in mapping.pairs}]
+                    and n not in {p.structural for p in mapping.pairs} and n not in explained]
         shapes = {}
         for name in unpaired:
             spec = original.spec(name)
@@ -209,6 +229,11 @@ class Exporter:
                         raise ExportError(f"{group.describe()}: {name!r} is transformed again later; "
                                           "export supports numeric folds only on final tensors")
                 ins = [current.get(n) for n in step.inputs]
+                if kind == "bn_fold" and ins[0] and not all(ins[2:]):
+                    # no BatchNorm in the graph: the exporter may have folded it already
+                    self._rebind_folded_layer(group, step, ins[0][0][0])
+                    self.folded += 1
+                    continue
                 if any(not v for v in ins):
                     missing = [n for n, v in zip(step.inputs, ins) if not v]
                     raise ExportError(f"{group.describe()}: the graph has no initializer for {missing}; "
@@ -272,6 +297,27 @@ class Exporter:
             raise ExportError(f"{group.describe()}: no Conv/Gemm/ConvTranspose on {step.inputs[0]!r} "
                               "followed by BatchNormalization in the graph")
 
+    def _rebind_folded_layer(self, group: StepGroup, step, weight) -> None:
+        """The graph's Conv already holds the fold (the dynamo exporter folds BatchNorm into
+        the Conv and keeps the Conv's names): it takes the checkpoint's folded weight and bias
+        when they equal the graph's within the dtype's tolerance, else ExportError."""
+        layers = [u.node for u in weight.uses() if u.node.op_type == "Conv" and u.idx == 1]
+        folded_weight, folded_bias = (self.ckpt.table[n] for n in step.outputs)
+        for layer in layers:
+            bias = layer.inputs[2] if len(layer.inputs) > 2 else None
+            if bias is None or not (same_within_tolerance(weight, folded_weight)
+                                    and same_within_tolerance(bias, folded_bias)):
+                raise ExportError(
+                    f"{group.describe()}: the graph has no BatchNormalization for {step.inputs[2:]} "
+                    f"and its Conv on {weight.name.split('/', 1)[-1]!r} does not hold the checkpoint's "
+                    f"folded {list(step.outputs)}; export the unfolded model with its optimizations off"
+                )
+            layer.replace_input_with(1, self.param(step.outputs[0]))
+            layer.replace_input_with(2, self.param(step.outputs[1]))
+        if not layers:
+            raise ExportError(f"{group.describe()}: the graph has no initializer for {list(step.inputs[2:])} "
+                              "and no Conv on the weight; export the unfolded model with constant folding off")
+
     def _replace(self, old, new) -> None:
         """Every use of ``old`` reads ``new``; a graph output keeps its name."""
         if not old.is_graph_output():
@@ -311,8 +357,8 @@ class Exporter:
                                       f"which {self.ckpt.path} cannot provide")
                 self._rebind(old, available[name](), transposed)
         for initializer, (name, transposed) in self.direct.items():
-            old = self.graph.initializers[f"fusectl_graph/{initializer}"]
-            if old.uses():
+            old = self.graph.initializers.get(f"fusectl_graph/{initializer}")
+            if old is not None and old.uses():  # a fold may have replaced its uses already
                 self._rebind(old, self.param(name), transposed)
 
     def _rebind(self, old, new, transposed: bool) -> None:

@@ -26,6 +26,9 @@ class Pair:
     structural: str
     initializer: str
     how: str  # "name", "content" or "transposed" (the initializer is the tensor transposed)
+    # "equal": same dtype, shape and bytes; "differs": paired by name, other data (an exporter
+    # folded something into it); "unknown": the checkpoint has the name but not its data
+    data: str = "equal"
 
 
 @dataclass
@@ -36,18 +39,14 @@ class NameMap:
     graph_prefix: str = ""
     checkpoint_prefix: str = ""
 
-    def by_initializer(self) -> dict[str, Pair]:
-        return {p.initializer: p for p in self.pairs}
-
-    def by_structural(self) -> dict[str, list[Pair]]:
-        out: dict[str, list[Pair]] = {}
-        for p in self.pairs:
-            out.setdefault(p.structural, []).append(p)
-        return out
+    def differing(self) -> list[Pair]:
+        """Pairs by name whose data differ: the graph's initializer stands for something else."""
+        return [p for p in self.pairs if p.data == "differs"]
 
     def to_json(self) -> dict:
         return {
-            "pairs": [{"structural": p.structural, "initializer": p.initializer, "how": p.how} for p in self.pairs],
+            "pairs": [{"structural": p.structural, "initializer": p.initializer, "how": p.how, "data": p.data}
+                      for p in self.pairs],
             "unmatched_checkpoint": self.unmatched_checkpoint,
             "unmatched_graph": self.unmatched_graph,
             "graph_prefix": self.graph_prefix,
@@ -59,6 +58,16 @@ def _digest(array: np.ndarray) -> tuple:
     array = np.ascontiguousarray(array)
     return (str(array.dtype), array.shape,
             hashlib.blake2b(array.reshape(-1).view(np.uint8).data, digest_size=16).digest())
+
+
+def _same_data(tensor: LazyTensor, initializer: Callable[[], np.ndarray]) -> str:
+    if not tensor.has_data():
+        return "unknown"
+    if tensor.spec.dtype.packed:
+        return "unknown"
+    mine = np.ascontiguousarray(Materializer([tensor]).array(tensor)).reshape(-1).view(np.uint8)
+    theirs = np.ascontiguousarray(initializer()).reshape(-1).view(np.uint8)
+    return "equal" if np.array_equal(mine, theirs) else "differs"
 
 
 def common_prefix(structural: list[str], graph: list[str]) -> tuple[str, str]:
@@ -98,20 +107,24 @@ def map_names(
 
     members = table.groups()  # tensor id -> its structural names (tied ones together)
 
-    def add(tensor_id: int, initializer: str, how: str) -> None:
-        result.pairs.extend(Pair(name, initializer, how) for name in members[tensor_id])
+    def add(tensor_id: int, initializer: str, how: str, data: str = "equal") -> None:
+        result.pairs.extend(Pair(name, initializer, how, data) for name in members[tensor_id])
         matched_graph.add(initializer)
         matched_unique.add(tensor_id)
 
+    # a name says what an initializer was called, not what it holds: exporters reuse checkpoint
+    # names for folded values (dynamo's Conv+BatchNorm fusion keeps ``conv1.weight``), so every
+    # pair by name is checked against the data
     for name in names:
         if not name.startswith(ckpt_prefix):
             continue
         candidate = graph_prefix + name[len(ckpt_prefix):]
         if candidate in initializers and candidate not in matched_graph and id(table[name]) not in matched_unique:
             dtype, shape = initializer_specs[candidate]
-            spec = table.spec(name)
+            tensor = table[name]
+            spec = tensor.spec
             if (dtype, tuple(shape)) == (str(spec.dtype.numpy), spec.shape):
-                add(id(table[name]), candidate, "name")
+                add(id(tensor), candidate, "name", _same_data(tensor, initializers[candidate]))
 
     remaining = [n for n in initializers if n not in matched_graph]
     wanted_specs = {(str(t.spec.dtype.numpy), t.spec.shape) for _, t in table.unique()}
