@@ -403,14 +403,21 @@ def map_cmd(ckpt, graph, as_json, config_path):
         _emit_json(result.to_json())
         return
     width = max((len(printable(p.structural)) for p in result.pairs), default=0)
+    notes = {"differs": "  (data differs: the graph holds something else under this name)",
+             "unknown": "  (data not checked: the checkpoint knows only the name)"}
     for p in result.pairs:
-        click.echo(f"{printable(p.structural):<{width}}  {p.how:<10}  {printable(p.initializer)}")
+        click.echo(f"{printable(p.structural):<{width}}  {p.how:<10}  {printable(p.initializer)}"
+                   f"{notes.get(p.data, '')}")
     for name in result.unmatched_checkpoint:
         click.echo(f"unmatched in {ckpt}: {printable(name)}")
     for name in result.unmatched_graph:
         click.echo(f"unmatched in {graph}: {printable(name)}")
     click.echo(f"{len({p.structural for p in result.pairs})} of {len(c.table.entries)} names paired; "
                f"{len(result.unmatched_graph)} graph initializer(s) unmatched")
+    differing = result.differing()
+    if differing:
+        click.echo(f"{len(differing)} pair(s) by name hold different data: "
+                   f"{_names(p.structural for p in differing)}")
 
 
 @command(main, "export")
@@ -445,6 +452,57 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
                    + ("; external data" if report.external_data else ""))
 
 
+class _NamedSizesType(click.ParamType):
+    """``NAME=...`` with sizes from 1 to 2**31-1; a bad value is a usage error (exit 2) naming the option."""
+
+    max_size = 2**31 - 1
+    example = ""
+
+    def parse(self, name: str, sizes: str):
+        raise NotImplementedError
+
+    def size(self, text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= self.max_size:
+            raise ValueError(f"{text!r} is not a size")
+        return int(text)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):  # already converted (a default)
+            return value
+        option = param.opts[0] if param is not None and param.opts else self.name
+        try:
+            name, sep, sizes = value.partition("=")
+            if not sep or not name:
+                raise ValueError("no NAME=")
+            return name, self.parse(name, sizes)
+        except ValueError as e:
+            message = (f"{option} {value!r}: {e}; write {self.name} with whole-number sizes from 1 to "
+                       f"{self.max_size}, for example {self.example}")
+            if ctx is None:
+                self.fail(message, param, ctx)
+            _fail(ctx, message)
+
+
+class InputShapeType(_NamedSizesType):
+    """``--input NAME=2x16`` -> ("NAME", (2, 16)); ``NAME=`` is a 0-d (scalar) input."""
+
+    name = "NAME=D0xD1x..."
+    example = "input_ids=2x16"
+
+    def parse(self, name, sizes):
+        return tuple(self.size(d) for d in sizes.lower().split("x")) if sizes else ()
+
+
+class DimType(_NamedSizesType):
+    """``--dim batch=2`` -> ("batch", 2)."""
+
+    name = "NAME=SIZE"
+    example = "batch=2"
+
+    def parse(self, name, sizes):
+        return self.size(sizes)
+
+
 @command(main, "verify")
 @click.argument("reference", type=click.Path())
 @click.argument("candidate", type=click.Path())
@@ -453,15 +511,18 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
               help="onnxruntime provider; cuda must really run on CUDA.")
 @click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Relative tolerance (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2).")
 @click.option("--atol", type=click.FloatRange(min=0), default=None, help="Absolute tolerance (default by dtype, as --rtol).")
-@click.option("--input", "input_shapes", multiple=True, metavar="NAME=D0xD1...",
-              help="Shape of a dynamic model input (repeatable; default 1 for dynamic dimensions).")
+@click.option("--input", "input_shapes", multiple=True, type=InputShapeType(), metavar="NAME=D0xD1x...",
+              help="Whole shape of one model input; its named dimensions apply to the other inputs too (repeatable).")
+@click.option("--dim", "dims", multiple=True, type=DimType(),
+              help="Size of a named dynamic dimension (dim_param) in every input that uses it (repeatable; "
+                   "default 2 for a leading batch axis, else 16).")
 @click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), default=None,
               help="Model inputs as named arrays in an .npz (default: seeded random).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None, help="Write the JSON report here.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here (for CI).")
 @config_option
-def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, inputs_file, seed,
+def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
                report_path, junit_path, config_path):
     """Prove CANDIDATE computes what REFERENCE computes; exit 1 when it does not.
 
@@ -473,17 +534,34 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
     \b
     Example:
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
-      fusectl verify original.onnx fused.onnx --input input_ids=1x16 --report verify.json
+      fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
     """
     from .verify.checkpoint_check import plan_for, verify_checkpoints
     from .verify.model_check import load_inputs_file, verify_models
-    from .verify.runner import parse_input_shapes
 
-    if reference.endswith(".onnx") and candidate.endswith(".onnx"):
+    ctx = click.get_current_context()
+    parsed = {}
+    for option, pairs in (("--input", input_shapes), ("--dim", dims)):
+        parsed[option] = {}
+        for name, value in pairs:
+            if parsed[option].get(name, value) != value:
+                _fail(ctx, f"{option} {printable(name)} is given twice with different sizes; give it once")
+            parsed[option][name] = value
+    graphs = [p.endswith(".onnx") for p in (reference, candidate)]
+    if all(graphs):
         report = verify_models(reference, candidate, provider=provider, atol=atol, rtol=rtol,
-                               inputs=load_inputs_file(inputs_file),
-                               shapes=parse_input_shapes(input_shapes), seed=seed)
+                               inputs=load_inputs_file(inputs_file), shapes=parsed["--input"],
+                               dims=parsed["--dim"], seed=seed)
+    elif any(graphs):
+        graph, ckpt = (reference, candidate) if graphs[0] else (candidate, reference)
+        _fail(ctx, f"{printable(graph)} is an ONNX graph but {printable(ckpt)} is a checkpoint; verify "
+                   "compares a graph with a graph (two .onnx files) or a checkpoint with a checkpoint. "
+                   f"Make a graph from the checkpoint with `fusectl export {printable(ckpt)} --graph "
+                   f"{printable(graph)} -o OUT.onnx`, then verify the two .onnx files")
     else:
+        used = [o for o, v in (("--input", input_shapes), ("--dim", dims), ("--inputs", inputs_file)) if v]
+        if used:
+            _fail(ctx, f"{used[0]} applies to two .onnx models; with checkpoints, verify makes its own inputs")
         ref = open_checkpoint(reference, config_path)
         cand = open_checkpoint(candidate, config_path)
         rulesets = _load_rulesets(ref, rules)
@@ -498,7 +576,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             f.write(report.to_junit())
     click.echo(report.to_text())
     if not report.passed:
-        click.get_current_context().exit(EXIT_DIFFERENT)
+        ctx.exit(EXIT_DIFFERENT)
 
 
 @main.group("rules", cls=FusectlGroup)

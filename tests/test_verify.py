@@ -274,3 +274,199 @@ def test_verify_replays_only_what_the_reference_lacks(tmp_path):
     assert result.exit_code == 0, result.output
     assert "mlp-gate-up" in result.output and "attn-qkv" not in result.output
     assert run("verify", src, twice).exit_code == 0
+
+
+# ------------------------------------------------------------------ model mode: input shapes
+
+
+def _masked_model(path: Path, ids=("batch", "sequence"), mask=("batch", "sequence")):
+    """A BERT-like signature whose output multiplies the two inputs, so their shapes must agree."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["input_ids", "attention_mask"], ["y"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, list(ids)),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, list(mask))],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def _shapes(report: Path) -> dict:
+    doc = json.loads(report.read_text())
+    return {i["name"]: i["shape"] for i in doc["inputs"]}
+
+
+def test_dynamic_dims_default_to_2_for_a_leading_axis_and_16_elsewhere(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--report", report)
+    assert result.exit_code == 0, result.output
+    assert _shapes(report) == {"input_ids": [2, 16], "attention_mask": [2, 16]}
+    doc = json.loads(report.read_text())
+    assert doc["dims"] == {"batch": 2, "sequence": 16}
+    assert doc["checks"][0]["comparison"]["shape"] == [2, 16]
+    assert "  inputs: input_ids int64[2, 16], attention_mask int64[2, 16]; dims batch=2, sequence=16" in result.output
+
+
+def test_default_rule_per_axis():
+    from fusectl.verify.runner import resolve_shapes
+    shapes, dims = resolve_shapes({"pos": ("sequence",), "ids": ("batch", "sequence"), "lengths": ("batch",),
+                                   "u": (None, None, 3)})
+    # 'sequence' leads in pos but not in ids: 16; 'batch' leads everywhere: 2; unnamed by position
+    assert shapes == {"pos": (16,), "ids": (2, 16), "lengths": (2,), "u": (2, 16, 3)}
+    assert dims == {"sequence": 16, "batch": 2}
+
+
+def test_input_shape_gives_its_named_dims_to_the_other_inputs(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--input", "input_ids=3x8", "--report", report)
+    assert result.exit_code == 0, result.output
+    assert _shapes(report) == {"input_ids": [3, 8], "attention_mask": [3, 8]}
+    assert json.loads(report.read_text())["dims"] == {"batch": 3, "sequence": 8}
+    # an input shape that agrees with an explicit --dim is fine
+    result = run("verify", a, a, "--input", "input_ids=3x8", "--dim", "sequence=8", "--report", report)
+    assert result.exit_code == 0, result.output
+
+
+def test_dim_option_sizes_every_input_that_uses_it(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--dim", "batch=3", "--dim", "sequence=5", "--report", report)
+    assert result.exit_code == 0, result.output
+    assert _shapes(report) == {"input_ids": [3, 5], "attention_mask": [3, 5]}
+    assert "dims batch=3, sequence=5" in result.output
+
+
+def test_unknown_dim_is_exit_2_naming_the_graphs_dims(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--dim", "seq=8", "--report", report)
+    assert result.exit_code == 2
+    assert result.output.startswith("error: --dim seq:")
+    assert "its named dimensions are batch, sequence" in result.output
+    assert not report.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input", "input_ids=2x8", "--dim", "batch=3"],
+     "--input input_ids=2x8 sets dimension 'batch' to 2, but --dim batch=3 sets it to 3"),
+    (["--input", "input_ids=2x8", "--input", "attention_mask=2x9"],
+     "--input attention_mask=2x9 sets dimension 'sequence' to 9, but --input input_ids=2x8 sets it to 8"),
+    (["--dim", "batch=2", "--dim", "batch=3"], "--dim batch is given twice with different sizes"),
+    (["--input", "input_ids=2x8", "--input", "input_ids=2x9"], "--input input_ids is given twice"),
+])
+def test_conflicting_sizes_are_exit_2(tmp_path, args, message):
+    a = _masked_model(tmp_path / "a.onnx")
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, *args, "--report", report)
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {message}")
+    assert not report.exists()
+
+
+@pytest.mark.parametrize("option,value", [
+    ("--input", "input_ids=-1x8"), ("--input", "input_ids=0x8"), ("--input", "input_ids=2x"),
+    ("--input", "input_ids=2by8"), ("--input", "input_ids=1_0x8"), ("--input", f"input_ids={2**31}x8"),
+    ("--dim", "batch=abc"), ("--dim", "batch=-1"), ("--dim", "batch=0"), ("--dim", "batch="),
+    ("--dim", f"batch={2**31}"),
+])
+def test_bad_sizes_are_usage_errors_naming_the_option(tmp_path, option, value):
+    a = _masked_model(tmp_path / "a.onnx")
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, option, value, "--report", report)
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {option} {value!r}: ")
+    assert "is not a size" in result.output and "from 1 to 2147483647" in result.output
+    assert not report.exists()
+
+
+@pytest.mark.parametrize("option,value", [("--input", "input_ids"), ("--input", "=2x8"), ("--dim", "=2"),
+                                          ("--dim", "batch")])
+def test_option_without_name_or_equals_is_a_usage_error(tmp_path, option, value):
+    a = _masked_model(tmp_path / "a.onnx")
+    result = run("verify", a, a, option, value)
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {option} {value!r}: no NAME=; write NAME=")
+
+
+def test_largest_size_parses_but_a_huge_random_input_is_refused(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    result = run("verify", a, a, "--dim", f"batch={2**31 - 1}")
+    assert result.exit_code == 2
+    assert result.output.startswith("error: input input_ids of shape [2147483647, 16] would hold")
+
+
+def test_input_shape_must_fit_the_graphs_rank_and_fixed_axes(tmp_path):
+    a = _linear_model(tmp_path / "a.onnx", np.eye(4, 3, dtype=np.float32), dynamic=True)
+    result = run("verify", a, a, "--input", "x=5x3")
+    assert result.exit_code == 2 and "axis 1 of x is fixed at 4" in result.output
+    result = run("verify", a, a, "--input", "x=5x4x1")
+    assert result.exit_code == 2 and "input x has 2 dimensions, not 3" in result.output
+    result = run("verify", a, a, "--input", "z=5x4")
+    assert result.exit_code == 2 and "has no input named 'z'; its inputs are x" in result.output
+
+
+def test_empty_input_shape_still_means_a_scalar(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "s"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"]),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    a = tmp_path / "a.onnx"
+    onnx.save(model, str(a))
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--input", "s=", "--report", report)
+    assert result.exit_code == 0, result.output
+    assert _shapes(report) == {"x": [2], "s": []}
+    result = run("verify", a, a, "--input", "x=")
+    assert result.exit_code == 2 and "input x has 1 dimensions, not 0" in result.output
+
+
+def test_a_fixed_axis_of_the_other_model_sizes_the_named_dim(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    b = _masked_model(tmp_path / "b.onnx", ids=("batch", 128), mask=("batch", 128))
+    report = tmp_path / "r.json"
+    result = run("verify", a, b, "--report", report)
+    assert result.exit_code == 0, result.output
+    assert _shapes(report) == {"input_ids": [2, 128], "attention_mask": [2, 128]}
+    assert json.loads(report.read_text())["dims"] == {"batch": 2, "sequence": 128}
+
+
+def test_arrays_from_the_inputs_file_size_the_random_ones(tmp_path):
+    a = _masked_model(tmp_path / "a.onnx")
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, input_ids=np.ones((3, 5), np.int64))
+    report = tmp_path / "r.json"
+    result = run("verify", a, a, "--inputs", inputs, "--report", report)
+    assert result.exit_code == 0, result.output
+    assert _shapes(report) == {"input_ids": [3, 5], "attention_mask": [3, 5]}
+    assert "input_ids int64[3, 5] from file, attention_mask int64[3, 5]" in result.output
+    result = run("verify", a, a, "--inputs", inputs, "--dim", "batch=2")
+    assert result.exit_code == 2
+    assert "--inputs array input_ids sets dimension 'batch' to 3, but --dim batch=2 sets it to 2" in result.output
+
+
+@pytest.mark.parametrize("graph_first", [True, False])
+def test_a_graph_against_a_checkpoint_is_exit_2_suggesting_export(tmp_path, graph_first):
+    a = _masked_model(tmp_path / "a.onnx")
+    ckpt = FIXTURES / "tiny-llama-gqa"
+    result = run("verify", *((a, ckpt) if graph_first else (ckpt, a)))
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {a} is an ONNX graph but {ckpt} is a checkpoint")
+    assert "compares a graph with a graph (two .onnx files) or a checkpoint with a checkpoint" in result.output
+    assert f"fusectl export {ckpt} --graph {a} -o OUT.onnx" in result.output
+    assert "unsupported checkpoint format" not in result.output
+
+
+@pytest.mark.parametrize("option,value", [("--input", "x=2x4"), ("--dim", "batch=2"), ("--inputs", "in.npz")])
+def test_model_input_options_with_checkpoints_are_exit_2(tmp_path, option, value):
+    src = FIXTURES / "tied-embeddings.safetensors"
+    result = run("verify", src, src, option, value)
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: {option} applies to two .onnx models")

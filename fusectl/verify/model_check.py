@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import VerifyError
+from ..errors import VerifyError, printable
 from .compare import compare, default_tolerance
 from .report import Check, VerifyReport
-from .runner import CPU, make_inputs, resolve_provider, run, session
+from .runner import CPU, declared_shapes, make_inputs, resolve_provider, run, session
 from .upcast import has_bfloat16, upcast_bfloat16
+
+
+@dataclass
+class ModelVerifyReport(VerifyReport):
+    """A model-mode report: also the named dynamic dimensions the inputs were made with."""
+
+    dims: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "dims": dict(self.dims)}
+
+    def to_text(self) -> str:
+        head, *rest = super().to_text().split("\n")
+        inputs = ", ".join(f"{printable(i['name'])} {i['dtype']}{i['shape']}"
+                           + (" from file" if i["source"] == "file" else "") for i in self.inputs)
+        line = f"  inputs: {inputs or 'none'}"
+        if self.dims:
+            line += "; dims " + ", ".join(f"{printable(n)}={v}" for n, v in self.dims.items())
+        return "\n".join([head, line, *rest])
 
 
 def load_inputs_file(path: str | None) -> dict[str, np.ndarray]:
@@ -33,9 +53,15 @@ def verify_models(
     rtol: float | None = None,
     inputs: Mapping[str, np.ndarray] | None = None,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    dims: Mapping[str, int] | None = None,
     seed: int = 0,
-) -> VerifyReport:
-    """Run ``reference`` and ``candidate`` with identical inputs and compare outputs by name."""
+) -> ModelVerifyReport:
+    """Run ``reference`` and ``candidate`` with identical inputs and compare outputs by name.
+
+    ``inputs`` are arrays to feed by input name; the other inputs are seeded random, shaped by
+    ``shapes`` (input name -> whole shape) and ``dims`` (dim_param name -> size), see
+    :func:`fusectl.verify.runner.resolve_shapes`.
+    """
     chosen = resolve_provider(provider)
     # onnxruntime has no bf16 CPU kernels: on CPU both models run upcast to float32
     upcast = chosen == CPU and (has_bfloat16(reference) or has_bfloat16(candidate))
@@ -43,7 +69,8 @@ def verify_models(
     cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate)
     given = {k: (np.asarray(v, np.float32) if upcast and v.dtype == ml_dtypes.bfloat16 else v)
              for k, v in (inputs or {}).items()}
-    feeds, specs = make_inputs(ref_sess, given, shapes or {}, seed, reference)
+    feeds, specs, named = make_inputs(ref_sess, given, shapes or {}, dims or {}, seed, reference,
+                                      hints=declared_shapes(cand_sess))
     cand_inputs = {m.name for m in cand_sess.get_inputs()}
     if cand_inputs != set(feeds):
         raise VerifyError(
@@ -51,10 +78,10 @@ def verify_models(
         )
     ref_out = run(ref_sess, feeds, reference)
     cand_out = run(cand_sess, feeds, candidate)
-    report = VerifyReport("model", reference, candidate, chosen, seed=seed,
-                          precision="fp32-upcast" if upcast else "native",
-                          inputs=[{"name": s.name, "dtype": str(s.dtype), "shape": list(s.shape),
-                                   "source": s.source} for s in specs])
+    report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named,
+                               precision="fp32-upcast" if upcast else "native",
+                               inputs=[{"name": s.name, "dtype": str(s.dtype), "shape": list(s.shape),
+                                        "source": s.source} for s in specs])
     for name, expected in ref_out.items():
         if name not in cand_out:
             report.checks.append(Check("output", name, False, detail=f"{candidate} has no output {name!r}"))

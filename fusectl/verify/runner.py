@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
-from ..errors import VerifyError
+from ..errors import VerifyError, printable
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -72,41 +73,160 @@ _NUMPY_OF_ORT = {
 }
 
 
-def parse_input_shapes(items) -> dict[str, tuple[int, ...]]:
-    """``--input NAME=2x8`` → {"NAME": (2, 8)}."""
-    shapes = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        try:
-            if not sep or not name:
-                raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
-        except ValueError:
-            raise VerifyError(f"--input {item!r}: write NAME=D0xD1x... (for example input_ids=1x8)") from None
-    return shapes
+BATCH_DEFAULT = 2
+LENGTH_DEFAULT = 16
+MAX_RANDOM_ELEMENTS = 2**28  # 1 GiB of float32 per random input: a check, not a benchmark
+
+
+def declared_shapes(sess) -> dict[str, tuple]:
+    """The graph's inputs as onnxruntime reports them: each axis a size, a dim_param name or None."""
+    def axis(d):
+        if isinstance(d, int):
+            return d if d > 0 else None
+        return d or None
+    return {m.name: tuple(axis(d) for d in (m.shape or ())) for m in sess.get_inputs()}
+
+
+def _shape_text(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def resolve_shapes(
+    declared: Mapping[str, tuple],
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    dims: Mapping[str, int] | None = None,
+    given: Mapping[str, tuple[int, ...]] | None = None,
+    hints: Mapping[str, tuple] | None = None,
+    what: str = "the model",
+) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """Sizes for every input axis: (shapes of the inputs to make, value of each named dimension).
+
+    ``declared`` maps input name to its axes (an int, a dim_param name, or None for an unnamed
+    dynamic axis). A named dimension takes, in order: ``dims`` (``--dim``); the size that an
+    input of ``shapes`` (``--input``) or of ``given`` (``--inputs`` arrays) has on it; a fixed
+    size that ``hints`` (the other model's inputs) has on the same axis; else 2 when it is the
+    first axis of every input that uses it (a batch) and 16 otherwise. An unnamed dynamic axis
+    takes the hint, else 2 on axis 0 and 16 elsewhere. Options that disagree are an error.
+
+    >>> resolve_shapes({"ids": ("batch", "seq"), "mask": ("batch", "seq")}, shapes={"ids": (3, 8)})
+    ({'ids': (3, 8), 'mask': (3, 8)}, {'batch': 3, 'seq': 8})
+    """
+    shapes, dims, given, hints = shapes or {}, dims or {}, given or {}, hints or {}
+    unknown = [n for n in shapes if n not in declared]
+    if unknown:
+        raise VerifyError(f"--input {printable(unknown[0])}: {what} has no input named '{printable(unknown[0])}'; "
+                          f"its inputs are {', '.join(map(printable, declared)) or 'none'}")
+    uses: dict[str, list[int]] = {}  # dim name -> the axes it appears on
+    for axes in declared.values():
+        for i, d in enumerate(axes):
+            if isinstance(d, str):
+                uses.setdefault(d, []).append(i)
+    for name in dims:
+        if name not in uses:
+            have = ", ".join(map(printable, uses)) if uses else "none (set whole shapes with --input NAME=D0xD1...)"
+            raise VerifyError(f"--dim {printable(name)}: {what} has no dynamic dimension named '{printable(name)}'; "
+                              f"its named dimensions are {have}")
+
+    both = [n for n in shapes if n in given]
+    if both:
+        raise VerifyError(f"--input {printable(both[0])}: --inputs already gives this input; give it one way")
+
+    # name -> (size, who set it, whether an option set it)
+    values: dict[str, tuple[int, str, bool]] = {n: (v, f"--dim {n}={v}", True) for n, v in dims.items()}
+
+    def bind(name: str, value: int, source: str, from_option: bool) -> None:
+        if name not in values:
+            values[name] = (value, source, from_option)
+            return
+        old_value, old_source, old_from_option = values[name]
+        # arrays of one .npz that disagree among themselves are left to onnxruntime, as before
+        if old_value != value and (from_option or old_from_option):
+            raise VerifyError(f"{printable(source)} sets dimension '{printable(name)}' to {value}, but "
+                              f"{printable(old_source)} sets it to {old_value}; "
+                              "give one size per named dimension")
+
+    for name, axes in declared.items():
+        if name in shapes:
+            shape = shapes[name]
+            source = f"--input {name}={_shape_text(shape)}"
+            if len(shape) != len(axes):
+                raise VerifyError(f"{printable(source)}: {what}'s input {printable(name)} has "
+                                  f"{len(axes)} dimensions, not {len(shape)}")
+            for i, (d, v) in enumerate(zip(axes, shape)):
+                if isinstance(d, int) and d != v:
+                    raise VerifyError(f"{printable(source)}: axis {i} of {printable(name)} is fixed at {d} "
+                                      f"in {what}; give {d} there")
+                if isinstance(d, str):
+                    bind(d, v, source, from_option=True)
+    for name, axes in declared.items():
+        if name in given and len(given[name]) == len(axes):
+            for d, v in zip(axes, given[name]):
+                if isinstance(d, str):
+                    bind(d, v, f"--inputs array {name}", from_option=False)
+    for name, axes in declared.items():
+        hint = hints.get(name, ())
+        for d, h in zip(axes, hint if len(hint) == len(axes) else ()):
+            if isinstance(d, str) and isinstance(h, int):
+                if d not in values:  # what the user gave wins; onnxruntime then names the clash
+                    values[d] = (h, "the other model", False)
+    for name, axes in uses.items():
+        if name not in values:
+            values[name] = (BATCH_DEFAULT if all(i == 0 for i in axes) else LENGTH_DEFAULT, "default", False)
+
+    resolved = {}
+    for name, axes in declared.items():
+        if name in given:
+            continue
+        if name in shapes:
+            resolved[name] = tuple(shapes[name])
+            continue
+        hint = hints.get(name, ())
+        shape = []
+        for i, d in enumerate(axes):
+            if isinstance(d, int):
+                shape.append(d)
+            elif isinstance(d, str):
+                shape.append(values[d][0])
+            elif i < len(hint) and isinstance(hint[i], int) and len(hint) == len(axes):
+                shape.append(hint[i])
+            else:
+                shape.append(BATCH_DEFAULT if i == 0 else LENGTH_DEFAULT)
+        resolved[name] = tuple(shape)
+    return resolved, {n: values[n][0] for n in uses}
 
 
 def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
-                seed: int, what: str) -> tuple[dict[str, np.ndarray], list[InputSpec]]:
+                dims: Mapping[str, int], seed: int, what: str, hints: Mapping[str, tuple] | None = None,
+                ) -> tuple[dict[str, np.ndarray], list[InputSpec], dict[str, int]]:
     """Inputs for every graph input: from ``given``, else seeded random (float: N(0,1);
-    integers: 0 or 1; dynamic dimensions from ``shapes``, else 1)."""
+    integers: 0 or 1) with the shapes of :func:`resolve_shapes`. Also returns the named dims."""
+    declared = declared_shapes(sess)
+    # an .npz may also hold expected outputs (as fixtures do): those are not fed
+    known = set(declared) | {m.name for m in sess.get_outputs()}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise VerifyError(f"--inputs: {unknown} are neither inputs nor outputs of {what}")
+    arrays = {k: np.asarray(v) for k, v in given.items() if k in declared}
+    random_shapes, named = resolve_shapes(declared, shapes=shapes, dims=dims,
+                                          given={k: v.shape for k, v in arrays.items()},
+                                          hints=hints, what=what)
     rng = np.random.default_rng(seed)
     feeds, specs = {}, []
     for meta in sess.get_inputs():
-        dtype = _NUMPY_OF_ORT.get(meta.type)
-        if meta.name in given:
-            value = np.asarray(given[meta.name])
+        if meta.name in arrays:
+            value = arrays[meta.name]
             feeds[meta.name] = value
             specs.append(InputSpec(meta.name, value.dtype, value.shape, "file"))
             continue
+        dtype = _NUMPY_OF_ORT.get(meta.type)
         if dtype is None:
-            raise VerifyError(f"{what}: input {meta.name!r} has type {meta.type}; pass it with --inputs FILE.npz")
-        if meta.name in shapes:
-            shape = shapes[meta.name]
-            if len(shape) != len(meta.shape):
-                raise VerifyError(f"--input {meta.name}: the graph's input has {len(meta.shape)} dimensions, not {len(shape)}")
-        else:
-            shape = tuple(d if isinstance(d, int) and d > 0 else 1 for d in meta.shape)
+            raise VerifyError(f"{what}: input {printable(meta.name)} has type {meta.type}; pass it with --inputs FILE.npz")
+        shape = random_shapes[meta.name]
+        if math.prod(shape) > MAX_RANDOM_ELEMENTS:
+            raise VerifyError(f"input {printable(meta.name)} of shape {list(shape)} would hold {math.prod(shape)} "
+                              f"elements, over the {MAX_RANDOM_ELEMENTS} allowed for a random input; "
+                              "give smaller --input/--dim sizes or pass arrays with --inputs")
         if np.dtype(dtype).kind == "f":
             value = rng.standard_normal(shape).astype(dtype)
         elif np.dtype(dtype) == np.bool_:
@@ -115,15 +235,7 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
             value = rng.integers(0, 2, shape).astype(dtype)
         feeds[meta.name] = value
         specs.append(InputSpec(meta.name, np.dtype(dtype), shape, "random"))
-    unknown_shapes = sorted(set(shapes) - {m.name for m in sess.get_inputs()})
-    if unknown_shapes:
-        raise VerifyError(f"--input {unknown_shapes[0]}: {what} has no such input")
-    # an .npz may also hold expected outputs (as fixtures do): those are not fed
-    known = {m.name for m in sess.get_inputs()} | {m.name for m in sess.get_outputs()}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise VerifyError(f"--inputs: {unknown} are neither inputs nor outputs of {what}")
-    return feeds, specs
+    return feeds, specs, named
 
 
 def run(sess, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
