@@ -622,3 +622,36 @@ def test_inspect_text_escapes_control_characters_in_names(cli, tmp_path):
     # JSON keeps the exact name (json escapes it)
     doc = ok(cli("inspect", path, "--json")).json()
     assert doc["parameters"][0]["name"] == name
+
+
+def test_folder_output_keeps_the_whole_tree_of_the_input_folder(cli, copy_fixture, tmp_path):
+    """sentence-transformers keeps modules in subfolders (1_Pooling/config.json); a module's
+    own weights live there too (2_Dense/model.safetensors) and an empty module folder is part
+    of the layout. Everything but the checkpoint's own top-level weights travels unchanged."""
+    src = copy_fixture("tiny-bert")
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}\n')
+    (src / "2_Dense").mkdir()
+    safetensors.numpy.save_file({"linear.weight": np.ones((4, 32), np.float32)}, str(src / "2_Dense" / "model.safetensors"))
+    (src / "3_Normalize").mkdir()
+    (src / "modules.json").write_text("[]\n")
+    (src / "pytorch_model.bin").write_bytes(b"stale weights in the old layout")
+    fused, back = tmp_path / "fused", tmp_path / "back"
+    ok(cli("fuse", src, "-r", "bert-qkv", "-o", fused))
+    ok(cli("unfuse", fused, "-o", back))
+    expected = {k: v for k, v in snapshot(src).items() if k not in ("model.safetensors", "pytorch_model.bin")}
+    for out in (fused, back):
+        got = {k: v for k, v in snapshot(out).items() if k != "model.safetensors"}
+        assert got == expected
+    assert_same_checkpoint(src, back)
+
+
+@pytest.mark.parametrize("name", ["out.pt", "out.bin", "model.onnx", "out.pth"])
+def test_an_output_named_like_a_format_fusectl_does_not_write_is_refused(cli, copy_fixture, tmp_path, name):
+    src = copy_fixture(LLAMA)
+    before = snapshot(tmp_path)
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", tmp_path / name)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and name in result.stderr
+    assert ".safetensors, .npz or a folder" in result.stderr
+    assert snapshot(tmp_path) == before
