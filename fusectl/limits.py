@@ -1,0 +1,72 @@
+"""Budgets on sizes that come from untrusted files, each checked before the work it guards.
+
+A checkpoint, rules file or provenance downloaded from elsewhere decides how much fusectl
+reads, allocates and computes. Each size below has a budget far above any real model's and far
+below what would exhaust a machine; a file past one is refused with an error that names the
+limit and the environment variable that raises it.
+
+>>> check_limit("tensors", 10, "model.safetensors")
+>>> limit("tensors") >= 100_000
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import CheckpointError, FusectlError
+
+
+@dataclass(frozen=True)
+class Limit:
+    key: str
+    default: int
+    what: str  # what is counted, for messages
+
+    @property
+    def variable(self) -> str:
+        return "FUSECTL_MAX_" + self.key.upper().replace("-", "_")
+
+
+LIMITS: dict[str, Limit] = {
+    limit.key: limit
+    for limit in (
+        Limit("header-bytes", 100_000_000, "bytes of safetensors header"),
+        Limit("tensors", 1_000_000, "tensors in one checkpoint"),
+        Limit("json-depth", 64, "levels of JSON nesting"),
+        Limit("json-bytes", 64_000_000, "bytes of a JSON file (config, index)"),
+        Limit("name-bytes", 4096, "bytes in one tensor name"),
+        Limit("dims", 64, "dimensions of one tensor"),
+        Limit("integer-digits", 30, "digits in one integer"),
+        Limit("expression-chars", 1000, "characters in one [vars] expression"),
+        Limit("chunks", 1_000_000, "chunks or groups one step cuts a tensor into"),
+        Limit("decompressed-bytes", 4_000_000_000, "bytes decompressed from one archive member"),
+    )
+}
+
+
+def limit(key: str) -> int:
+    """The budget for ``key``: its default, or the value of its environment variable."""
+    spec = LIMITS[key]
+    raw = os.environ.get(spec.variable)
+    if raw is None:
+        return spec.default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise FusectlError(f"{spec.variable}={raw!r} is not a whole number; unset it or give a number") from None
+    if value < 1:
+        raise FusectlError(f"{spec.variable}={raw!r} must be at least 1")
+    return value
+
+
+def check_limit(key: str, value: int, where: str, error: type[FusectlError] = CheckpointError) -> None:
+    """Raise ``error`` naming ``where`` when ``value`` exceeds the budget for ``key``."""
+    budget = limit(key)
+    if value > budget:
+        spec = LIMITS[key]
+        raise error(
+            f"{where}: {value} {spec.what} exceeds fusectl's limit of {budget}; if the file is "
+            f"genuine, raise it with {spec.variable}={value}"
+        )
