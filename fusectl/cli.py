@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from .ties import declare_ties, detect_ties
 
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
+EXIT_BUG = 70  # EX_SOFTWARE
 
 
 class _Terminated(Exception):
@@ -53,12 +55,16 @@ class FusectlGroup(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(141)
         except OSError as e:
-            where = f"{e.filename}: " if e.filename else ""
+            # shutil's copies name the source first and the destination second
+            name = e.filename2 if e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename2 else e.filename
+            where = f"{printable(str(name))}: " if name else ""
             _fail(ctx, f"{where}{e.strerror or e}; check the path, permissions and free space")
         except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
             raise
-        except Exception as e:  # a bug in fusectl, still no traceback unless asked
-            _fail(ctx, f"internal error: {type(e).__name__}: {e}; rerun with --debug and report it")
+        except Exception as e:  # a bug in fusectl, never bad input: EX_SOFTWARE, as SPEC §4 says
+            _fail(ctx, f"internal error: {type(e).__name__}: {printable(str(e))}; this is a bug in "
+                       "fusectl, not in your input: rerun with --debug and report it with the traceback",
+                  code=EXIT_BUG)
 
 
 def _fail(ctx: click.Context, message: str, code: int = EXIT_BAD_INPUT):
@@ -102,6 +108,11 @@ def main():
       fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
       fusectl unfuse fused/ -o restored/
     """
+
+
+def _note(message: str) -> None:
+    """Something the user should know that is not an error (stderr, even with --quiet)."""
+    click.echo(f"note: {printable(message)}", err=True)
 
 
 def _emit_json(data) -> None:
@@ -304,6 +315,7 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
         max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
         force=force,
         progress=False if quiet else None,
+        on_note=_note,
     )
     summary = {
         "output": out,
@@ -443,7 +455,7 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
     """
     from .onnx.export import export_model
 
-    report = export_model(open_checkpoint(ckpt, config_path), graph, out, force=force)
+    report = export_model(open_checkpoint(ckpt, config_path), graph, out, force=force, on_note=_note)
     if as_json:
         _emit_json(report.__dict__)
     else:

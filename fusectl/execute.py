@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -102,6 +102,7 @@ def write_table(
     max_shard_size: int | None = None,
     force: bool = False,
     progress: bool | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> WriteReport:
     """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily;
     tied members the input stored itself are written too (``ParamTable.written``).
@@ -123,7 +124,7 @@ def write_table(
     materializer = Materializer([t for _, t in unique])
     bar = Progress("writing", sum(t.spec.nbytes for _, t in unique), progress)
     copied = 0
-    with atomic_output(out, force=force, inputs=inputs) as temp:
+    with atomic_output(out, force=force, inputs=inputs, on_note=on_note) as temp:
         writer = open_writer(kind, temp, entry_shards, shard_metadata, index_metadata,
                              companions if kind == "folder" else ())
         try:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ..errors import OutputError
 from ..tensors import TensorSpec
@@ -56,8 +57,15 @@ def output_kind(path: str) -> str:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str, *, force: bool, inputs: Sequence[str]) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; rename it into place only if the body succeeds."""
+def atomic_output(path: str, *, force: bool, inputs: Sequence[str],
+                  on_note: Callable[[str], None] | None = None) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; rename it into place only if the body succeeds.
+
+    The temporary output is flushed to disk (every file, then every folder) before the rename,
+    and the parent folder after it, so a crash after fusectl returns cannot leave a renamed but
+    empty output. Temporaries that a killed run left for the same output (``.NAME.fusectl-tmp-PID``
+    of a process that is gone) are removed first, each reported through ``on_note``.
+    """
     target = os.path.realpath(path)
     for source in inputs:
         source = os.path.realpath(source)
@@ -66,16 +74,24 @@ def atomic_output(path: str, *, force: bool, inputs: Sequence[str]) -> Iterator[
         if os.path.isdir(source) and target.startswith(source.rstrip(os.sep) + os.sep):
             raise OutputError(f"{path}: the output would land inside the input folder {source}; "
                               "choose another -o")
-    if os.path.lexists(target) and not force:
-        raise OutputError(f"{path}: already exists; pass --force to replace it")
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         raise OutputError(f"{path}: the folder {parent} does not exist")
     base = os.path.basename(target)
+    _clean_stale(parent, base, target, on_note or (lambda message: None))
+    if os.path.lexists(target) and not force:
+        raise OutputError(f"{path}: already exists; pass --force to replace it")
     temp = os.path.join(parent, f".{base}.fusectl-tmp-{os.getpid()}")
     _remove(temp)
     try:
-        yield temp
+        try:
+            yield temp
+            _sync_tree(temp)
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise OutputError(f"{path}: {e.strerror} while writing it; nothing was written. "
+                                  "Free some space (or choose another -o) and run again") from e
+            raise
         if os.path.lexists(target):
             old = os.path.join(parent, f".{base}.fusectl-old-{os.getpid()}")
             os.rename(target, old)
@@ -83,8 +99,66 @@ def atomic_output(path: str, *, force: bool, inputs: Sequence[str]) -> Iterator[
             _remove(old)
         else:
             os.rename(temp, target)
+        _sync(parent)
     finally:
         _remove(temp)
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_LEFTOVER = re.compile(r"\.(?P<base>.+)\.fusectl-(?P<kind>tmp|old)-(?P<pid>[0-9]+)(?:\.d)?")
+
+
+def _clean_stale(parent: str, base: str, target: str, on_note: Callable[[str], None]) -> None:
+    """Remove what a killed run left for this output: temporaries of processes that are gone.
+
+    A ``.fusectl-old-PID`` is the previous output, moved aside just before the new one was
+    renamed into place: if the run died between the two renames, it is put back.
+    """
+    for name in sorted(os.listdir(parent)):
+        m = _LEFTOVER.fullmatch(name)
+        if not m or m.group("base") != base or _alive(int(m.group("pid"))):
+            continue
+        leftover = os.path.join(parent, name)
+        if m.group("kind") == "old" and not os.path.lexists(target):
+            os.rename(leftover, target)
+            on_note(f"restored {target} from {leftover}, where a killed run (pid {m.group('pid')}) had moved it")
+            continue
+        _remove(leftover)
+        on_note(f"removed {leftover}, left by a killed run (pid {m.group('pid')})")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process, or no such pid on this platform: leave it
+    return True
+
+
+def _sync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(path: str) -> None:
+    """fsync a file, or every file and folder under a folder (files first)."""
+    if not os.path.isdir(path):
+        _sync(path)
+        return
+    folders = []
+    for root, _, files in os.walk(path):
+        folders.append(root)
+        for name in files:
+            _sync(os.path.join(root, name))
+    for folder in reversed(folders):
+        _sync(folder)
 
 
 def _remove(path: str) -> None:

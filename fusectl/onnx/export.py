@@ -428,7 +428,7 @@ class Exporter:
         TopologicalSortPass()(self.model)
         RemoveUnusedNodesPass()(self.model)
 
-    def finish(self, out: str, force: bool) -> ExportReport:
+    def finish(self, out: str, force: bool, on_note=None) -> ExportReport:
         self.remove_unused()
         leftovers = [v.name.split("/", 1)[1] for v in self.graph.initializers.values()
                      if v.name.startswith("fusectl_graph/")]
@@ -441,7 +441,8 @@ class Exporter:
         data_path = os.path.join(os.path.dirname(os.path.abspath(out)), data_name)
         if external and os.path.lexists(data_path) and not force:
             raise OutputError(f"{data_path}: already exists; pass --force to replace it")
-        with atomic_output(out, force=force, inputs=[self.graph_path, *self.ckpt.input_paths()]) as temp:
+        with atomic_output(out, force=force, inputs=[self.graph_path, *self.ckpt.input_paths()],
+                           on_note=on_note) as temp:
             if not external:
                 self.ir.save(self.model, temp)
                 _check(temp)
@@ -470,7 +471,8 @@ def _check(path: str) -> None:
         raise ExportError(f"the rewritten graph fails onnx.checker: {e}") from e
 
 
-def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bool = False) -> ExportReport:
+def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bool = False,
+                 on_note=None) -> ExportReport:
     """Rewrite ``graph_path`` (exported from the unfused model) to consume ``checkpoint``."""
     exporter = Exporter(checkpoint, graph_path)
     exporter.pair()
@@ -478,4 +480,4 @@ def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bo
     exporter.remove_unused()
     exporter.rebind()
     exporter.fuse_shared_matmuls()
-    return exporter.finish(out, force)
+    return exporter.finish(out, force, on_note)
