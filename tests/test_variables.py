@@ -190,3 +190,44 @@ def test_evaluate_names_where_in_errors():
     with pytest.raises(RuleError) as e:
         evaluate("f(1)", lambda n: 0, "rule 'r' (x.toml): sizes")
     assert "rule 'r' (x.toml): sizes" in str(e.value)
+
+
+# ------------------------------------------------------------------------------ budgets
+
+
+def test_vars_that_square_each_other_stop_at_64_bits_at_once():
+    """22 vars each squaring the one before kept `plan` busy past 30 s; the value check stops
+    the chain where it leaves int64, naming the var."""
+    import time
+
+    raw = {"s0": 2, **{f"s{k}": f"s{k - 1} * s{k - 1}" for k in range(1, 22)}}
+    started = time.monotonic()
+    with pytest.raises(RuleError, match=r"var 's6': the value has 65 bits"):
+        resolve_variables(raw, None, SRC)
+    assert time.monotonic() - started < 1
+
+
+@pytest.mark.parametrize("expression", [
+    " * ".join(["a"] * 3000),  # a 3,000-term product
+    "-" * 100_000 + "1",  # 100,000 unary minus signs
+])
+def test_huge_expressions_are_refused_by_size(expression):
+    with pytest.raises(RuleError, match=r"exceeds fusectl's limit of 1000.*FUSECTL_MAX_EXPRESSION_CHARS"):
+        resolve_variables({"a": 2, "b": expression}, None, SRC)
+
+
+def test_deeply_nested_expressions_within_the_size_are_refused():
+    with pytest.raises(RuleError, match=r"nests more than 100 operators"):
+        evaluate("-" * 500 + "1", {}.__getitem__, SRC)
+    with pytest.raises(RuleError, match=r"is not an integer expression"):
+        evaluate("(" * 300 + "1" + ")" * 300, {}.__getitem__, SRC)
+
+
+def test_integers_past_64_bits_are_refused_from_every_source():
+    with pytest.raises(RuleError, match=r"var 'a'.*64 bits"):
+        resolve_variables({"a": 2**64}, None, SRC)
+    with pytest.raises(RuleError, match=r"config key 'n'.*64 bits"):
+        resolve_variables({"a": "config:n"}, {"n": 2**70}, SRC)
+    with pytest.raises(RuleError, match=r"var 'a'.*64 bits"):
+        resolve_variables({"a": "9223372036854775807 + 1"}, None, SRC)
+    assert resolve_variables({"a": "9223372036854775807"}, None, SRC) == {"a": 2**63 - 1}
