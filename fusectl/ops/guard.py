@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..errors import PlanError
+from ..errors import PlanError, printable, quote
 from .base import Op
 
 
@@ -22,7 +22,7 @@ class Refuse(Op):
     message: str = "this tensor is not supported by these rules"
 
     def infer(self, specs, names):
-        raise PlanError(f"{names[0]!r}: {self.message}")
+        raise PlanError(f"{quote(names[0])}: {printable(self.message)}")
 
     def output_count(self, specs):
         return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Sequence
 
 import numpy as np
 
-from ..errors import PlanError
+from ..errors import PlanError, quote
+from ..limits import check_limit
 from ..tensors import ByteRange, TensorSpec
 from .base import Op, leading_ones, normalize_axis, same_dtype
 
@@ -37,6 +39,7 @@ def _non_negative(sizes: Sequence[int], name: str) -> None:
 
 
 def _equal_sizes(total: int, parts: int, name: str, what: str) -> tuple[int, ...]:
+    check_limit("chunks", parts, f"{quote(name)}: {what}", PlanError)
     if parts <= 0 or total % parts:
         raise PlanError(f"{name!r}: length {total} along the {what} does not split into {parts} equal parts")
     return (total // parts,) * parts
@@ -336,9 +339,10 @@ class Reshape(Op):
     def infer(self, specs, names):
         spec = specs[0]
         shape = list(self.shape)
+        check_limit("dims", len(shape), f"reshape of {quote(names[0])}: shape", PlanError)
         if shape.count(-1) > 1 or any(d < -1 for d in shape):
             raise PlanError(f"reshape of {names[0]!r}: shape {shape} may hold one -1 and no other negative")
-        known = int(np.prod([d for d in shape if d != -1]))
+        known = math.prod(d for d in shape if d != -1)  # Python integers: no int64 overflow
         if -1 in shape:
             if known == 0 or spec.numel % known:
                 raise PlanError(f"{names[0]!r} has {spec.numel} elements; cannot reshape to {shape}")
@@ -371,7 +375,8 @@ class Reorder(Op):
     def infer(self, specs, names):
         spec = specs[0]
         axis = normalize_axis(self.axis, len(spec.shape), names[0])
-        if sorted(self.order) != list(range(self.chunks)):
+        _equal_sizes(spec.shape[axis], self.chunks, names[0], f"axis {axis}")
+        if len(self.order) != self.chunks or sorted(self.order) != list(range(self.chunks)):
             raise PlanError(f"order {list(self.order)} must be a permutation of 0..{self.chunks - 1}")
         _equal_sizes(spec.shape[axis], self.chunks, names[0], f"axis {axis}")
         return [spec]

@@ -27,6 +27,15 @@ def invert_rule(rule: Rule) -> Rule:
             f"{rule.describe()}: a concat over {{{rule.over}}} cannot be undone from the rule "
             "alone; unfuse with the provenance instead of -r"
         )
+    # what the inverse must bind: every placeholder of the inputs but the gathered one
+    bound = set().union(*(p.names for p in rule.outputs)) | ({rule.over} if rule.over else set())
+    for pattern in rule.inputs:
+        dropped = sorted(pattern.names - bound) if pattern is not None else []
+        if dropped:
+            raise PlanError(
+                f"{rule.describe()}: its output {rule.outputs[0].text!r} drops {{{dropped[0]}}}, so the "
+                "rule alone cannot say which name to go back to; unfuse with the provenance instead of -r"
+            )
     # every invertible op maps the forward rule's outputs back to its inputs
     return replace(rule, name=f"{rule.name} (inverse)", op=op,
                    inputs=rule.outputs, outputs=rule.inputs)

@@ -1,0 +1,82 @@
+"""Hostile rules files: budgets checked before the work they guard, and clear errors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import leftovers, ok, snapshot, write_rules, write_safetensors
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "in" / "m.safetensors"
+    path.parent.mkdir()
+    write_safetensors(path, {"w": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.zeros(0, np.float32)})
+    return path
+
+
+def refused(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error:") and "internal error" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+    return result
+
+
+@pytest.mark.parametrize("tensor", ["w", "b"])  # b is empty: every chunk count divides 0
+def test_reorder_with_a_billion_chunks_is_refused_at_once(cli, ckpt, tmp_path, tensor):
+    rules = write_rules(tmp_path / "r.toml", f"""
+version = 1
+[[rule]]
+op = "reorder"
+input = "{tensor}"
+output = "{tensor}2"
+chunks = 1000000000
+order = [0]
+""")
+    rss = psutil.Process().memory_info().rss
+    started = time.monotonic()
+    refused(cli("plan", ckpt, "-r", rules), "1000000000", "FUSECTL_MAX_CHUNKS")
+    assert time.monotonic() - started < 2
+    assert psutil.Process().memory_info().rss - rss < 100 << 20
+
+
+def test_reshape_to_more_dimensions_than_numpy_has_is_refused_when_planning(cli, ckpt, tmp_path):
+    rules = write_rules(tmp_path / "r.toml", "version = 1\n[[rule]]\nop = \"reshape\"\ninput = \"w\"\n"
+                                             f"output = \"w2\"\nshape = {[1] * 100 + [64]}\n")
+    refused(cli("plan", ckpt, "-r", rules), "reshape of 'w'", "101")
+    out = tmp_path / "out.safetensors"
+    refused(cli("fuse", ckpt, "-r", rules, "-o", out))
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_reshape_sizes_that_overflow_int64_are_refused(cli, ckpt, tmp_path):
+    rules = write_rules(tmp_path / "r.toml", "version = 1\n[[rule]]\nop = \"reshape\"\ninput = \"w\"\n"
+                                             "output = \"w2\"\nshape = [4294967296, 4294967296, 4]\n")
+    refused(cli("plan", ckpt, "-r", rules), "cannot reshape")
+
+
+def test_unfuse_r_of_a_rename_that_drops_a_placeholder_says_why(cli, tmp_path):
+    path = tmp_path / "in" / "m.safetensors"
+    path.parent.mkdir()
+    write_safetensors(path, {"a.x.w": np.ones(2, np.float32)})
+    rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nop = "rename"\ninput = "a.{k}.w"\noutput = "b.w"\n')
+    fused = tmp_path / "fused.safetensors"
+    ok(cli("fuse", path, "-r", rules, "-o", fused))
+    back = tmp_path / "back.safetensors"
+    refused(cli("unfuse", fused, "-r", rules, "-o", back), "drops {k}", "unfuse with the provenance")
+    assert not back.exists()
+    ok(cli("unfuse", fused, "-o", back))  # the provenance knows the name
+
+
+def test_a_refuse_message_cannot_print_control_characters(cli, ckpt, tmp_path):
+    rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nop = "refuse"\ninput = "w"\n'
+                                             'message = "\\u001b[2J\\u0007wiped"\n')
+    before = snapshot(ckpt.parent)
+    result = refused(cli("plan", ckpt, "-r", rules), "\\x1b[2J\\x07wiped")
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+    assert snapshot(ckpt.parent) == before
