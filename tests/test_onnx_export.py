@@ -236,17 +236,21 @@ def test_map_reports_pairs_by_name_whose_data_differ():
     assert {p["data"] for p in doc["pairs"]} == {"equal"}
 
 
+@pytest.mark.parametrize("folder", ["convbn", "convbn_bias"])
 @pytest.mark.parametrize("fold_first", [False, True], ids=["unfolded-checkpoint", "conv-bn-fold-checkpoint"])
-def test_export_on_a_dynamo_graph_that_folded_batchnorm_reproduces_pytorch(tmp_path, fold_first):
-    ckpt = _convbn_ckpt(tmp_path)
+def test_export_on_a_dynamo_graph_that_folded_batchnorm_reproduces_pytorch(tmp_path, fold_first, folder):
+    """convbn_bias: every Conv has a bias, so the dynamo graph keeps conv1.weight AND conv1.bias
+    as names for the folded values; before data was checked, export put the raw checkpoint
+    tensors back and exited 0 with a graph 1.7-10 off."""
+    ckpt = _convbn_ckpt(tmp_path, folder)
     if fold_first:
         folded = tmp_path / "folded.safetensors"
         ok(run("fuse", ckpt, "-r", "conv-bn-fold", "-o", folded, "--quiet"))
         ckpt = folded
     out = tmp_path / "out.onnx"
-    result = ok(run("export", ckpt, "--graph", ONNX / "convbn" / "model_dynamo.onnx", "-o", out, "--json"))
+    result = ok(run("export", ckpt, "--graph", ONNX / folder / "model_dynamo.onnx", "-o", out, "--json"))
     assert json.loads(result.output)["folded"] == 2
-    io = dict(np.load(ONNX / "convbn" / "io.npz"))
+    io = dict(np.load(ONNX / folder / "io.npz"))
     np.testing.assert_allclose(run_model(out, io)["y"], io["y"], atol=1e-4, rtol=0)
     # the exported weights are the checkpoint's fold, not the graph's copies
     if fold_first:
