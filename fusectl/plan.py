@@ -10,7 +10,8 @@ import difflib
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from .errors import PlanError, RuleError, TieError
+from .errors import PlanError, RuleError, TieError, quote
+from .limits import check_limit
 from .ops import OPS, Op
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable
@@ -123,6 +124,9 @@ class Planner:
     groups: list[StepGroup] = field(default_factory=list)
 
     def apply_rules(self, ruleset: RuleSet) -> None:
+        if not ruleset.rules and not ruleset.ties:
+            raise PlanError(f"{ruleset.source}: has no [[rule]] and no [ties]; it would change nothing. "
+                            "Add rules, or leave it out")
         applied = 0
         for rule in ruleset.rules:
             steps = bind_rule(rule, self.table)
@@ -353,7 +357,16 @@ def _outputs(rule: Rule, binding: dict[str, str], specs: Sequence[TensorSpec]) -
         if not name or "" in name.split("."):
             raise PlanError(f"output pattern makes the name {name!r}, which has an empty segment; "
                             "use {x*} for parts that may be empty")
+        if name in RESERVED_NAMES:
+            raise PlanError(f"output pattern makes the name {name!r}, which safetensors reserves for "
+                            "its metadata; choose another output name")
+        check_limit("name-bytes", len(name.encode("utf-8", "surrogatepass")), f"output name {quote(name[:80])}…",
+                    PlanError)
     return names
+
+
+# names a safetensors header keeps for itself (and fusectl for its npz metadata member)
+RESERVED_NAMES = frozenset({"__metadata__", "__fusectl_metadata__"})
 
 
 def _closest_hint(name: str, names: Sequence[str]) -> str:

@@ -80,3 +80,25 @@ def test_a_refuse_message_cannot_print_control_characters(cli, ckpt, tmp_path):
     result = refused(cli("plan", ckpt, "-r", rules), "\\x1b[2J\\x07wiped")
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr
     assert snapshot(ckpt.parent) == before
+
+
+def test_a_rules_file_with_no_rules_is_refused_instead_of_writing_a_copy(cli, ckpt, tmp_path):
+    rules = write_rules(tmp_path / "empty.toml", "version = 1\n")
+    out = tmp_path / "out.safetensors"
+    refused(cli("fuse", ckpt, "-r", rules, "-o", out), "empty.toml", "no [[rule]]")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "__fusectl_metadata__"])
+def test_an_output_named_like_the_metadata_is_refused(cli, ckpt, tmp_path, name):
+    rules = write_rules(tmp_path / "r.toml", f'version = 1\n[[rule]]\nop = "rename"\ninput = "w"\noutput = "{name}"\n')
+    for out in (tmp_path / "out.safetensors", tmp_path / "out.npz"):
+        refused(cli("fuse", ckpt, "-r", rules, "-o", out), name, "reserves")
+        assert not out.exists()
+
+
+def test_an_output_name_past_the_name_budget_is_refused(cli, ckpt, tmp_path):
+    rules = write_rules(tmp_path / "r.toml", f'version = 1\n[[rule]]\nop = "rename"\ninput = "w"\noutput = "{"n" * 70000}"\n')
+    out = tmp_path / "out.npz"
+    refused(cli("fuse", ckpt, "-r", rules, "-o", out), "FUSECTL_MAX_NAME_BYTES")
+    assert not out.exists()
