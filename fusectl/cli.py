@@ -515,24 +515,69 @@ class DimType(_NamedSizesType):
         return self.size(sizes)
 
 
+class ToleranceType(click.ParamType):
+    """``--atol 1e-4`` -> 0.0001: finite and >= 0 (NaN or inf would pass anything), else exit 2."""
+
+    name = "TOLERANCE"
+
+    def convert(self, value, param, ctx):
+        from .verify.compare import check_tolerance
+
+        if isinstance(value, float):  # already converted
+            return value
+        try:
+            return check_tolerance(param.opts[0] if param is not None else "tolerance", value)
+        except FusectlError as e:
+            if ctx is None:
+                self.fail(str(e), param, ctx)
+            _fail(ctx, str(e))
+
+
+class SeedType(click.ParamType):
+    """``--seed N``: a whole number >= 0, as numpy seeds are (a negative one is refused, not mapped
+    onto another seed, so that each seed in a report names one set of inputs)."""
+
+    name = "N"
+
+    def convert(self, value, param, ctx):
+        from .verify.runner import check_seed
+
+        if isinstance(value, int):  # already converted (the default)
+            return check_seed(value)
+        text = str(value).strip()
+        try:
+            if not text.lstrip("+-").isdigit() or not text.isascii():
+                raise FusectlError(f"--seed {value!r}: give a whole number >= 0")
+            return check_seed(int(text))
+        except (FusectlError, ValueError) as e:  # ValueError: more digits than Python converts
+            message = str(e) if isinstance(e, FusectlError) else f"--seed: {len(text)} digits; give a smaller seed"
+            if ctx is None:
+                self.fail(message, param, ctx)
+            _fail(ctx, message)
+
+
 @command(main, "verify")
 @click.argument("reference", type=click.Path())
 @click.argument("candidate", type=click.Path())
 @rules_option
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="onnxruntime provider; cuda must really run on CUDA.")
-@click.option("--rtol", type=click.FloatRange(min=0), default=None, help="Relative tolerance (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2).")
-@click.option("--atol", type=click.FloatRange(min=0), default=None, help="Absolute tolerance (default by dtype, as --rtol).")
+@click.option("--rtol", type=ToleranceType(), default=None,
+              help="Relative tolerance, finite and >= 0 (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2).")
+@click.option("--atol", type=ToleranceType(), default=None,
+              help="Absolute tolerance, finite and >= 0 (default by dtype, as --rtol).")
 @click.option("--input", "input_shapes", multiple=True, type=InputShapeType(), metavar="NAME=D0xD1x...",
               help="Whole shape of one model input; its named dimensions apply to the other inputs too (repeatable).")
 @click.option("--dim", "dims", multiple=True, type=DimType(),
               help="Size of a named dynamic dimension (dim_param) in every input that uses it (repeatable; "
                    "default 2 for a leading batch axis, else 16).")
-@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), default=None,
+@click.option("--inputs", "inputs_file", type=click.Path(), default=None,
               help="Model inputs as named arrays in an .npz (default: seeded random).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None, help="Write the JSON report here.")
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None, help="Write JUnit XML here (for CI).")
+@click.option("--seed", type=SeedType(), default=0, show_default=True, help="Seed of the random inputs (>= 0).")
+@click.option("--report", "report_path", type=click.Path(), default=None,
+              help="Write the JSON report here (never over an input).")
+@click.option("--junit", "junit_path", type=click.Path(), default=None,
+              help="Write JUnit XML here, for CI (never over an input).")
 @config_option
 def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
                report_path, junit_path, config_path):
@@ -549,7 +594,8 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
     """
     from .verify.checkpoint_check import plan_for, verify_checkpoints
-    from .verify.model_check import load_inputs_file, verify_models
+    from .verify.model_check import load_inputs_file, model_input_paths, verify_models
+    from .verify.report import check_report_destinations
 
     ctx = click.get_current_context()
     parsed = {}
@@ -559,8 +605,13 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             if parsed[option].get(name, value) != value:
                 _fail(ctx, f"{option} {printable(name)} is given twice with different sizes; give it once")
             parsed[option][name] = value
+    destinations = {"--report": report_path, "--junit": junit_path}
+    # rules files and --config are inputs too; a preset name is not a path
+    named = [p for p in (*rules, config_path) if p and os.path.exists(p)]
     graphs = [p.endswith(".onnx") for p in (reference, candidate)]
     if all(graphs):
+        sources = [*model_input_paths(reference), *model_input_paths(candidate), *named]
+        check_report_destinations(destinations, sources + ([inputs_file] if inputs_file else []))
         report = verify_models(reference, candidate, provider=provider, atol=atol, rtol=rtol,
                                inputs=load_inputs_file(inputs_file), shapes=parsed["--input"],
                                dims=parsed["--dim"], seed=seed)
@@ -577,6 +628,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
         ref = open_checkpoint(reference, config_path)
         cand = open_checkpoint(candidate, config_path)
         rulesets = _load_rulesets(ref, rules)
+        check_report_destinations(destinations, [*ref.input_paths(), *cand.input_paths(), *named])
         report = verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider,
                                     atol=atol, rtol=rtol, seed=seed)
     if report_path:

@@ -82,15 +82,33 @@ ARRAY_DTYPES: dict[str, DType] = {n: d for n, d in BY_NAME.items() if not d.pack
 _BY_NUMPY: dict[np.dtype, DType] = {d.numpy: d for d in reversed(_ALL) if not d.packed}
 
 
-def from_safetensors(name: str, where: str) -> DType:
-    """Look up a safetensors dtype string; ``where`` names the file and tensor for the error."""
+def from_safetensors(name: object, where: str) -> DType:
+    """Look up a safetensors dtype string; ``where`` names the file and tensor for the error.
+
+    >>> from_safetensors("BF16", "m.safetensors").numpy.name
+    'bfloat16'
+    >>> from_safetensors(["F32"], "m.safetensors: tensor 'w'")
+    Traceback (most recent call last):
+    ...
+    fusectl.errors.CheckpointError: m.safetensors: tensor 'w': the dtype must be a string such as "F32", not a list; the file is corrupt
+    """
+    if not isinstance(name, str):
+        raise CheckpointError(
+            f"{where}: the dtype must be a string such as \"F32\", not {_kind(name)}; the file is corrupt"
+        )
     try:
         return BY_NAME[name]
     except KeyError:
         known = ", ".join(BY_NAME)
+        shown = repr(name) if len(name) <= 40 else repr(name[:40]) + "..."
         raise CheckpointError(
-            f"{where}: unknown dtype {name!r}; fusectl reads {known}"
+            f"{where}: unknown dtype {shown}; fusectl reads {known}"
         ) from None
+
+
+def _kind(value: object) -> str:
+    return {list: "a list", dict: "an object", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def from_numpy(dtype: np.dtype, where: str) -> DType:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -19,11 +20,12 @@ class TensorSpec:
     dtype: DType
     shape: tuple[int, ...]
 
-    @property
+    # cached: a header's tensors share their specs, and tables ask for sizes again and again
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.bits // 8
 
@@ -31,7 +33,7 @@ class TensorSpec:
         return f"{self.dtype}{list(self.shape)}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ByteRange:
     """``length`` bytes of ``path`` starting at ``offset``."""
 
@@ -43,6 +45,7 @@ class ByteRange:
 class LazyTensor:
     """A tensor whose spec is known and whose data is produced on demand."""
 
+    __slots__ = ()  # subclasses may keep theirs in slots: a header can hold 10^6 tensors
     spec: TensorSpec
 
     def byte_ranges(self) -> tuple[ByteRange, ...] | None:
@@ -73,7 +76,7 @@ def read_ranges(ranges: tuple[ByteRange, ...], spec: TensorSpec) -> np.ndarray:
     return np.frombuffer(buffer, dtype=spec.dtype.numpy).reshape(spec.shape)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, slots=True)
 class FileTensor(LazyTensor):
     """A tensor stored as raw little-endian bytes in a file (safetensors, uncompressed npy)."""
 

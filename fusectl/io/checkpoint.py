@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError, quote
+from ..errors import CheckpointError, printable, quote
+from ..limits import check_limit, load_json, open_input
 from ..table import ParamTable
 from ..tensors import LazyTensor
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
@@ -49,23 +50,32 @@ class Checkpoint:
         return [self.path, *self.files, *(c.source for c in self.companions), *config]
 
 
-def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
+def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False) -> Checkpoint:
     """Read headers of a safetensors file, sharded index, Hugging Face folder or npz archive.
 
     ``config.json`` beside the checkpoint (or ``config_path``) supplies ``config:`` variables.
+    Inside an input folder, fusectl follows a symbolic link only where it resolves inside
+    that folder, or, for a Hugging Face cache snapshot (``…/models--ORG--NAME/snapshots/REV``),
+    inside the repository's cache folder where the blobs live; ``allow_outside_links`` lifts
+    this (``--follow-symlinks``). A file named directly (``path`` or ``config_path``) may be
+    a link. Only regular files are ever read, never FIFOs, devices or /proc files.
     """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     companions: list[Companion] = []
     if os.path.isdir(path):
+        folder = path
+        boundary = LinkBoundary.around(folder, allow_outside_links)
         target = _pick_in_folder(path)
-        companions = list_companions(path)
+        boundary.check(target)
+        companions = list_companions(path, boundary)
     else:
         target = path
+        folder = os.path.dirname(os.path.abspath(path))
+        boundary = LinkBoundary.around(folder, allow_outside_links)
 
     if target.endswith(INDEX_SUFFIX):
-        stored, metadata, files, index_meta = _read_sharded(target)
+        stored, metadata, files, index_meta = _read_sharded(target, boundary)
         fmt = "safetensors-sharded"
         provenance_text = index_meta.get(METADATA_KEY)
     elif target.endswith(".safetensors"):
@@ -83,8 +93,15 @@ def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
         )
 
     table = ParamTable.from_stored(stored)
+    if provenance_text is not None and not isinstance(provenance_text, str):
+        raise CheckpointError(f"{target}: the {METADATA_KEY!r} metadata entry must be a string (fusectl's "
+                              "provenance); the metadata was edited or corrupted")
     provenance = Provenance.loads(provenance_text, target) if provenance_text else None
-    config_path = config_path or _existing(os.path.join(folder, "config.json"))
+    if config_path is None:
+        beside = os.path.join(folder, "config.json")
+        if os.path.lexists(beside):
+            boundary.check(beside)
+            config_path = beside
     config = _read_config(config_path) if config_path else None
     aliases = merge_aliases([
         (f"{target} (fusectl provenance)", provenance.aliases if provenance else {}),
@@ -98,51 +115,136 @@ def open_checkpoint(path: str, config_path: str | None = None) -> Checkpoint:
     return Checkpoint(path, fmt, files, table, passthrough, provenance, config, config_path, companions)
 
 
-def list_companions(folder: str) -> list[Companion]:
+# a folder inside a Hugging Face cache snapshot: group 1 is the repository's cache folder,
+# whose blobs/ hold the files the snapshot links to
+_HF_SNAPSHOT = re.compile(r"^(.*/models--[^/]+)/snapshots/[^/]+(?:/.*)?$")
+
+
+@dataclass(frozen=True)
+class LinkBoundary:
+    """Where the links of an input folder may lead (SPEC §6, trust boundary).
+
+    A downloaded folder decides what its links name: ``tokenizer.json -> /etc/passwd`` would
+    otherwise be read, and copied into an output that may be shared. So a path read from
+    the folder must resolve inside one of ``roots``: the folder itself, and for a Hugging
+    Face cache snapshot the repository's cache folder (``models--org--name/``), unless
+    ``allow_outside`` (``--follow-symlinks``).
+
+    >>> b = LinkBoundary.around("/hub/models--org--m/snapshots/abc", False)
+    >>> b.roots[-1]
+    '/hub/models--org--m'
+    """
+
+    folder: str
+    roots: tuple[str, ...]
+    allow_outside: bool = False
+
+    @classmethod
+    def around(cls, folder: str, allow_outside: bool) -> "LinkBoundary":
+        real = os.path.realpath(folder)
+        roots = [real]
+        for candidate in (os.path.abspath(folder), real):
+            match = _HF_SNAPSHOT.match(candidate)
+            if match:
+                roots.append(os.path.realpath(match.group(1)))
+        return cls(folder, tuple(dict.fromkeys(roots)), allow_outside)
+
+    def admits(self, real: str) -> bool:
+        """Whether the resolved path ``real`` lies inside a root."""
+        return self.allow_outside or any(
+            real == root or real.startswith(root if root.endswith(os.sep) else root + os.sep) for root in self.roots
+        )
+
+    def check(self, path: str, real: str | None = None) -> None:
+        """CheckpointError naming the link when ``path`` (a path inside the folder) resolves outside."""
+        if self.allow_outside:
+            return
+        real = real if real is not None else os.path.realpath(path)
+        if self.admits(real):
+            return
+        link = path
+        while not os.path.islink(link) and os.path.dirname(link) not in (link, self.folder):
+            link = os.path.dirname(link)
+        target = os.readlink(link) if os.path.islink(link) else real
+        raise CheckpointError(
+            f"{printable(link)}: a link to {printable(target)} (that is {printable(real)}), outside the input "
+            f"folder {printable(self.folder)}; fusectl follows links only inside the folder (or inside a Hugging "
+            "Face cache repository) — copy the file into the folder, or allow links that leave it "
+            "(--follow-symlinks)"
+        )
+
+
+def list_companions(folder: str, boundary: LinkBoundary | None = None) -> list[Companion]:
     """Everything in ``folder`` but its top-level weight files, in path order.
 
     Subfolders are taken whole, weight files included: they hold other modules
     (sentence-transformers' ``1_Pooling/config.json``, ``2_Dense/model.safetensors``), not this
     checkpoint's tensors. Top-level weight files are left out: the output's own weights
-    replace them, and a stale copy in the old layout would contradict them.
+    replace them, and a stale copy in the old layout would contradict them. A link is
+    followed only within ``boundary`` (by default the folder itself); a link back up the tree
+    is walked once; anything but regular files and folders is refused.
     """
+    boundary = boundary or LinkBoundary.around(folder, False)
     found: list[Companion] = []
-    seen_dirs: set[str] = set()
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        real = os.path.realpath(root)
-        if real in seen_dirs:  # a link back up the tree: do not walk it twice
-            dirs.clear()
-            continue
-        seen_dirs.add(real)
-        dirs.sort()
-        relative_root = os.path.relpath(root, folder)
-        top = relative_root == "."
-        for name in sorted(files):
-            if top and name.endswith(WEIGHT_SUFFIXES):
+    seen: set[str] = set()
+
+    def walk(directory: str, relative: str, real: str) -> None:
+        if real in seen:  # a link back up the tree, or to a folder already walked
+            return
+        seen.add(real)
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError as e:
+            raise CheckpointError(f"{directory}: cannot list: {e.strerror}") from e
+        top = relative == ""
+        subfolders = []
+        files = 0
+        for entry in entries:
+            name = os.path.join(relative, entry.name)
+            linked = entry.is_symlink()
+            if entry.is_dir():  # follows a link: a linked folder is walked as a folder
+                target = os.path.realpath(entry.path) if linked else os.path.join(real, entry.name)
+                if linked:
+                    boundary.check(entry.path, target)
+                subfolders.append((entry.path, name, target))
                 continue
-            relative = name if top else os.path.join(relative_root, name)
-            found.append(Companion(os.path.join(root, name), relative))
-        if not top and not files and not dirs:
-            found.append(Companion(root, relative_root, is_dir=True))
+            files += 1
+            if top and entry.name.endswith(WEIGHT_SUFFIXES):
+                continue
+            if linked:
+                boundary.check(entry.path)
+                _check_regular_file(entry.path)
+            elif not entry.is_file(follow_symlinks=False):
+                _check_regular_file(entry.path)
+            found.append(Companion(entry.path, name))
+        if not top and not files and not subfolders:
+            found.append(Companion(directory, relative, is_dir=True))
+        for path, name, target in subfolders:
+            walk(path, name, target)
+
+    walk(folder, "", boundary.roots[0])
     return found
 
 
-def _existing(path: str) -> str | None:
-    return path if os.path.isfile(path) else None
+def _check_regular_file(path: str) -> None:
+    """CheckpointError unless ``path`` resolves to a regular file (opening and closing it
+    through open_input, which never blocks and never opens a FIFO or device)."""
+    open_input(path).close()
 
 
 def _read_json(path: str, what: str):
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open_input(path) as f:
+            check_limit("json-bytes", os.fstat(f.fileno()).st_size, path)
+            raw = f.read()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e}); the file is corrupt") from e
+    check_limit("json-bytes", len(raw), path)
+    return load_json(raw, path, what)
 
 
 def _read_config(path: str) -> dict:
-    config = _read_json(path, "config")
+    config = _read_json(path, "the config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config must be a JSON object")
     return config
@@ -167,12 +269,15 @@ def _pick_in_folder(folder: str) -> str:
     raise CheckpointError(f"{folder}: holds no .safetensors, {INDEX_SUFFIX} or .npz file")
 
 
-def _read_sharded(index_path: str):
+def _read_sharded(index_path: str, boundary: LinkBoundary):
     index = _read_json(index_path, "the index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
-    index_meta = index.get("metadata") or {}
+    check_limit("tensors", len(weight_map), index_path)
+    index_meta = index.get("metadata")
+    if index_meta is None:
+        index_meta = {}
     if not isinstance(index_meta, dict):
         raise CheckpointError(f"{index_path}: 'metadata' must be an object")
     folder = os.path.dirname(index_path)
@@ -181,10 +286,14 @@ def _read_sharded(index_path: str):
     files = []
     for shard in sorted(set(weight_map.values())):
         shard_path = os.path.join(folder, shard)
-        if os.path.basename(shard) != shard or not os.path.isfile(shard_path):
+        if os.path.basename(shard) != shard or shard in ("", ".", "..") or "\0" in shard:
+            raise CheckpointError(f"{index_path}: shard {quote(shard)} is not a file name beside the index")
+        if not os.path.lexists(shard_path):
             raise CheckpointError(f"{index_path}: shard {quote(shard)} is missing beside the index")
+        boundary.check(shard_path)
         tensors, shard_meta = read_header(shard_path)
         files.append(shard_path)
+        check_limit("tensors", len(stored) + len(tensors), index_path)
         for name, tensor in tensors.items():
             if name in stored:
                 raise CheckpointError(f"{shard_path}: tensor {quote(name)} is also stored in another shard")

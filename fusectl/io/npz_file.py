@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError, OutputError, quote
+from ..errors import CheckpointError, OutputError, printable, quote
+from ..limits import check_limit, limit, load_json, open_input
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
 
 DTYPES_MEMBER = "__fusectl_dtypes__"
@@ -38,19 +39,29 @@ class NpzMemberTensor(LazyTensor):
 
 
 def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
-    """The tensors (lazy) and fusectl metadata of an npz archive."""
+    """The tensors (lazy) and fusectl metadata of an npz archive (a regular file only), with
+    member count, name length, dimensions and decompressed sizes within fusectl's budgets."""
+    raw = open_input(path)
     try:
-        zf = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as e:
+        zf = zipfile.ZipFile(raw)
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError) as e:
+        raw.close()
         raise CheckpointError(f"{path}: not a readable .npz archive ({e})") from e
     tensors: dict[str, LazyTensor] = {}
     extras: dict[str, bytes] = {}
-    with zf, open(path, "rb") as raw:
-        for info in zf.infolist():
+    with zf, raw:
+        members = zf.infolist()
+        check_limit("tensors", len(members), path)
+        name_chars = limit("name-bytes") // 4
+        for info in members:
             if not info.filename.endswith(".npy"):
-                raise CheckpointError(f"{path}: member {quote(info.filename)} is not a .npy array")
+                raise CheckpointError(f"{path}: member {quote(info.filename[:200])} is not a .npy array")
             name = info.filename[: -len(".npy")]
-            where = f"{path}: array {quote(name)}"
+            where = f"{path}: array {quote(name[:200])}"
+            if len(name) > name_chars:
+                check_limit("name-bytes", len(name.encode("utf-8", "surrogateescape")), where)
+            if info.compress_type != zipfile.ZIP_STORED:
+                check_limit("decompressed-bytes", info.file_size, where)
             try:
                 with zf.open(info) as f:
                     version = np.lib.format.read_magic(f)
@@ -59,12 +70,17 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
                     shape, fortran, dtype = read_header(f)
                     header_end = f.tell()
                     if name in _RESERVED:
+                        check_limit("json-bytes", info.file_size, where)
                         extras[name] = f.read()
                         continue
-            except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-                raise CheckpointError(f"{where}: unreadable ({e})") from e
+            except (ValueError, OSError, zipfile.BadZipFile, EOFError, SyntaxError, RecursionError,
+                    MemoryError, NotImplementedError) as e:
+                raise CheckpointError(f"{where}: unreadable ({printable(str(e)[:200])})") from e
             if dtype.hasobject:
                 raise CheckpointError(f"{where}: holds Python objects (pickle); fusectl never unpickles npz data")
+            check_limit("dims", len(shape), where)
+            if not all(type(d) is int and d >= 0 for d in shape):
+                raise CheckpointError(f"{where}: shape {shape!r} is not a tuple of whole numbers")
             spec = TensorSpec(dtypes.from_numpy(dtype, where), tuple(shape))
             if name in tensors:
                 raise CheckpointError(f"{where}: the archive holds two members of this name")
@@ -105,15 +121,14 @@ def _string_map(extras: dict[str, bytes], member: str, path: str) -> dict[str, s
     """A fusectl JSON member of an npz: an object of strings, or a CheckpointError."""
     if member not in extras:
         return {}
-    try:
-        value = json.loads(extras[member].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: member {member} is not valid JSON ({e})") from e
+    value = load_json(extras[member], path, f"member {member}")
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise CheckpointError(f"{path}: member {member} must map strings to strings")
     return value
 
 
+# a zip member's name length is a 16-bit field
+_ZIP_NAME_BYTES = 0xFFFF
 _STORAGE_TYPE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -125,6 +140,12 @@ class NpzWriter:
         if reserved:
             raise OutputError(f"{path}: tensor {quote(reserved[0])} has a name fusectl reserves in npz "
                               "files; rename it or write .safetensors")
+        for name, _ in entries:
+            if len(name.encode("utf-8", "surrogatepass")) + len(".npy") > _ZIP_NAME_BYTES:
+                raise OutputError(
+                    f"{path}: tensor {quote(name[:80])}... ({len(name)} characters) has a name longer than a "
+                    f"zip archive can store ({_ZIP_NAME_BYTES} bytes); rename it or write .safetensors"
+                )
         self.path = path
         self._specs = dict(entries)
         self._zip = zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True)

@@ -20,9 +20,10 @@ from ..io.checkpoint import Checkpoint
 from ..plan import ComputedTensor, Plan, make_plan, replay_plan
 from ..table import ParamTable
 from ..tensors import LazyTensor
-from .compare import compare
+from .compare import check_tolerance, compare
 from .probes import run_probes
 from .report import Check, VerifyReport
+from .runner import check_seed
 
 
 def _exact(tensor: LazyTensor) -> bool:
@@ -85,6 +86,9 @@ def verify_checkpoints(
     seed: int = 0,
 ) -> VerifyReport:
     """Check that ``candidate`` is ``plan`` applied to ``reference`` (see the module doc)."""
+    atol = None if atol is None else check_tolerance("atol", atol)
+    rtol = None if rtol is None else check_tolerance("rtol", rtol)
+    seed = check_seed(seed)
     try:
         expected = replay_plan(reference.table, plan, f"{reference.path} (plan replay)", untie=True)
     except PlanError as e:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import VerifyError, printable
-from .compare import compare, default_tolerance
+from ..errors import VerifyError, printable, quote
+from ..onnx.graph import external_data_files
+from .compare import check_tolerance, compare, default_tolerance
+from .inputs_file import load_inputs_file
 from .report import Check, VerifyReport
-from .runner import CPU, declared_shapes, make_inputs, resolve_provider, run, session
+from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, resolve_provider, run,
+                     session)
+
+__all__ = ["ModelVerifyReport", "load_inputs_file", "model_input_paths", "verify_models"]
 from .upcast import has_bfloat16, upcast_bfloat16
 
 
@@ -34,14 +40,57 @@ class ModelVerifyReport(VerifyReport):
         return "\n".join([head, line, *rest])
 
 
-def load_inputs_file(path: str | None) -> dict[str, np.ndarray]:
-    if path is None:
-        return {}
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
-        raise VerifyError(f"{path}: cannot read inputs ({e}); pass an .npz of named arrays") from e
+class _Float32Inputs(Mapping[str, np.ndarray]):
+    """``arrays`` with the bfloat16 ones as float32, converted on lookup, for models upcast to run on CPU."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        self._arrays = arrays
+
+    @property
+    def declared(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {k: (shape, np.dtype(np.float32) if dtype == ml_dtypes.bfloat16 else dtype)
+                for k, (shape, dtype) in declared_arrays(self._arrays).items()}
+
+    def __iter__(self):
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = np.asarray(self._arrays[name])
+        return value.astype(np.float32) if value.dtype == ml_dtypes.bfloat16 else value
+
+
+def model_input_paths(path: str) -> list[str]:
+    """The files verify reads for the model at ``path``: itself and its external data (checked)."""
+    return [path, *external_data_files(path)]
+
+
+def _check_outputs(sess, what: str) -> None:
+    """verify compares tensors and sequences of tensors; a map or an optional it cannot."""
+    for meta in sess.get_outputs():
+        if not _COMPARABLE.fullmatch(meta.type):
+            raise VerifyError(f"{printable(what)}: output {quote(meta.name)} has type {meta.type}; verify "
+                              "compares tensors and sequences of tensors only")
+
+
+_COMPARABLE = re.compile(r"tensor\([a-z0-9]+\)|seq\(tensor\([a-z0-9]+\)\)")
+
+
+def _output_checks(name: str, expected, got, atol, rtol) -> list[Check]:
+    """One check per tensor: the output itself, or each element of a sequence output."""
+    if not isinstance(expected, list) and not isinstance(got, list):
+        result = compare(name, np.asarray(expected), np.asarray(got), atol, rtol)
+        return [Check("output", name, result.passed, result)]
+    if not (isinstance(expected, list) and isinstance(got, list)):
+        kinds = ["a sequence" if isinstance(v, list) else "a tensor" for v in (expected, got)]
+        return [Check("output", name, False, detail=f"the reference gives {kinds[0]}, the candidate {kinds[1]}")]
+    if len(expected) != len(got):
+        return [Check("output", name, False,
+                      detail=f"a sequence of {len(expected)} tensor(s) in the reference, {len(got)} in the candidate")]
+    return [check for i, (a, b) in enumerate(zip(expected, got))
+            for check in _output_checks(f"{name}[{i}]", a, b, atol, rtol)]
 
 
 def verify_models(
@@ -62,13 +111,19 @@ def verify_models(
     ``shapes`` (input name -> whole shape) and ``dims`` (dim_param name -> size), see
     :func:`fusectl.verify.runner.resolve_shapes`.
     """
+    atol = None if atol is None else check_tolerance("atol", atol)
+    rtol = None if rtol is None else check_tolerance("rtol", rtol)
+    seed = check_seed(seed)
+    for path in (reference, candidate):  # before onnxruntime (or onnx-ir) reads a byte of it
+        model_input_paths(path)
     chosen = resolve_provider(provider)
     # onnxruntime has no bf16 CPU kernels: on CPU both models run upcast to float32
     upcast = chosen == CPU and (has_bfloat16(reference) or has_bfloat16(candidate))
     ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference)
     cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate)
-    given = {k: (np.asarray(v, np.float32) if upcast and v.dtype == ml_dtypes.bfloat16 else v)
-             for k, v in (inputs or {}).items()}
+    _check_outputs(ref_sess, reference)
+    _check_outputs(cand_sess, candidate)
+    given = _Float32Inputs(inputs or {}) if upcast else (inputs or {})
     feeds, specs, named = make_inputs(ref_sess, given, shapes or {}, dims or {}, seed, reference,
                                       hints=declared_shapes(cand_sess))
     cand_inputs = {m.name for m in cand_sess.get_inputs()}
@@ -87,9 +142,8 @@ def verify_models(
             report.checks.append(Check("output", name, False, detail=f"{candidate} has no output {name!r}"))
             continue
         default_atol, default_rtol = default_tolerance(ml_dtypes.bfloat16) if upcast else (None, None)
-        result = compare(name, np.asarray(expected), np.asarray(cand_out[name]),
-                         default_atol if atol is None else atol, default_rtol if rtol is None else rtol)
-        report.checks.append(Check("output", name, result.passed, result))
+        report.checks += _output_checks(name, expected, cand_out[name], default_atol if atol is None else atol,
+                                        default_rtol if rtol is None else rtol)
     for name in sorted(set(cand_out) - set(ref_out)):
         report.checks.append(Check("output", name, False, detail=f"{reference} has no output {name!r}"))
     return report

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
-from ..errors import printable
+from ..errors import OutputError, printable
 from .compare import Comparison
 
 REPORT_VERSION = 1
+
+
+def _would_pass(m: Comparison) -> str:
+    if math.isinf(m.min_atol) or math.isinf(m.min_rtol):
+        return "no finite tolerance would pass"
+    return f"would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}"
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,7 @@ class VerifyReport:
                          f"p99 {m.p99_abs:.3g}; max rel {m.max_rel:.3g}, p99 {m.p99_rel:.3g}; "
                          f"atol {m.atol:g} rtol {m.rtol:g}")
                 if not m.passed:
-                    line += (f"; {m.mismatches} element(s) differ, first at {m.first_mismatch}; "
-                             f"would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}")
+                    line += f"; {m.mismatches} element(s) differ, first at {m.first_mismatch}; {_would_pass(m)}"
                 if m.note:
                     line += f"; {m.note}"
             if c.detail:
@@ -109,7 +117,46 @@ class VerifyReport:
                 if c.comparison:
                     m = c.comparison
                     message = (f"{m.mismatches} element(s) differ; max abs {m.max_abs:.3g}, max rel "
-                               f"{m.max_rel:.3g}; would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}"
+                               f"{m.max_rel:.3g}; {_would_pass(m)}" + (f"; {m.note}" if m.note else "")
                                + (f"; {c.detail}" if c.detail else ""))
                 ET.SubElement(case, "failure", message=printable(message))
         return ET.tostring(ET.ElementTree(suite).getroot(), encoding="utf-8", xml_declaration=True)
+
+
+def check_report_destinations(destinations: Mapping[str, str | None], inputs: Sequence[str]) -> None:
+    """Refuse report files that would overwrite an input, land in an input folder, or collide.
+
+    ``destinations`` maps an option (``--report``) to its path (None when not given);
+    ``inputs`` are every file and folder verify reads: models, their external data,
+    checkpoints and their shards, ``--inputs``, rules and config files. Links (symbolic and
+    hard) are followed. Checked before anything runs, so a refused run writes nothing.
+    """
+    given = {option: path for option, path in destinations.items() if path}
+    seen: dict[str, str] = {}
+    for option, path in given.items():
+        target = os.path.realpath(path)
+        if target in seen:
+            raise OutputError(f"{seen[target]} and {option} both name {printable(path)}; give each its own file")
+        seen[target] = option
+        if os.path.isdir(target):
+            raise OutputError(f"{option} {printable(path)}: is a folder; name a file to write the report to")
+        parent = os.path.dirname(target)
+        if not os.path.isdir(parent):
+            raise OutputError(f"{option} {printable(path)}: the folder {printable(parent)} does not exist; "
+                              "create it or choose another path")
+        for source in inputs:
+            real = os.path.realpath(source)
+            if target == real or _same_file(target, real):
+                raise OutputError(f"{option} {printable(path)}: would overwrite the input {printable(source)}; "
+                                  "choose another path for the report")
+            if os.path.isdir(real) and target.startswith(real.rstrip(os.sep) + os.sep):
+                raise OutputError(f"{option} {printable(path)}: would land inside the input folder "
+                                  f"{printable(source)}; choose a path outside it")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Hard links: two names, one file."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import operator
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -13,11 +15,45 @@ from ..errors import VerifyError, printable
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
+# onnxruntime's log severities: 0 verbose ... 3 error, 4 fatal
+_ORT_SILENT = 4
+MESSAGE_CHARS = 500
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+
 
 def _ort():
     import onnxruntime  # imported on use: checkpoint-only commands never need it
 
+    # onnxruntime writes its own coloured, multi-line log records straight to file descriptor 2;
+    # verify reports every failure itself, as one ``error:`` line, so the default logger (used
+    # before and between sessions) stays silent; sessions and runs are silenced one by one below
+    onnxruntime.set_default_logger_severity(_ORT_SILENT)
     return onnxruntime
+
+
+def one_line(error: BaseException | str, limit: int = MESSAGE_CHARS) -> str:
+    """An exception's text as one printable line: ANSI colours gone, lines joined by "; ", at
+    most ``limit`` characters (onnxruntime's messages can span many lines and kilobytes).
+
+    >>> one_line("\\x1b[1;31mfirst\\x1b[m\\n  second\\n")
+    'first; second'
+    """
+    text = _ANSI.sub("", str(error))
+    text = "; ".join(part.strip() for part in text.splitlines() if part.strip())
+    text = printable(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_seed(seed: int) -> int:
+    """``seed`` if numpy can seed with it: a whole number >= 0 (numpy refuses negative seeds, and
+    mapping them onto others would give two seeds the same inputs)."""
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        raise VerifyError(f"--seed {seed!r}: give a whole number >= 0") from None
+    if value < 0:
+        raise VerifyError(f"--seed {value}: give a whole number >= 0 (numpy seeds are not negative)")
+    return value
 
 
 def resolve_provider(choice: str) -> str:
@@ -39,7 +75,7 @@ def session(model: str | bytes, provider: str, what: str):
     """An InferenceSession that really runs on ``provider`` (strict fp32: TF32 off on CUDA)."""
     ort = _ort()
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = _ORT_SILENT
     if provider == CUDA:
         # TF32 would hide a 1e-4 difference, so strict fp32 runs with it off
         providers = [(CUDA, {"use_tf32": "0"}), CPU]
@@ -48,7 +84,10 @@ def session(model: str | bytes, provider: str, what: str):
     try:
         sess = ort.InferenceSession(model, options, providers=providers)
     except Exception as e:  # onnxruntime raises its own exception types for bad models
-        raise VerifyError(f"{what}: onnxruntime cannot load it: {e}") from e
+        raise VerifyError(f"{printable(what)}: onnxruntime cannot load it: {one_line(e)}") from e
+    if not sess.get_outputs():
+        raise VerifyError(f"{printable(what)}: the graph has no outputs, so there is nothing to compare; "
+                          "give verify models that declare their outputs")
     if sess.get_providers()[0] != provider:
         raise VerifyError(
             f"{what}: onnxruntime fell back to {sess.get_providers()[0]} instead of {provider}; "
@@ -196,37 +235,80 @@ def resolve_shapes(
     return resolved, {n: values[n][0] for n in uses}
 
 
+def declared_arrays(given: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of each array of ``given``, from ``given.declared`` where it tells them
+    without reading data (an ``--inputs`` file), else from the arrays."""
+    declared = getattr(given, "declared", None)
+    if declared is not None:
+        return dict(declared)
+    return {k: (tuple(np.shape(v)), np.asarray(v).dtype) for k, v in given.items()}
+
+
+def _check_given(sess, given: Mapping[str, tuple[tuple[int, ...], np.dtype]], what: str) -> None:
+    """Each given array fits its input's rank, fixed axes and element type (before it is read)."""
+    declared = declared_shapes(sess)
+    for meta in sess.get_inputs():
+        if meta.name not in given:
+            continue
+        shape, dtype = given[meta.name]
+        axes = declared[meta.name]
+        where = f"--inputs array {printable(meta.name)} ({dtype}{list(shape)})"
+        # onnxruntime reports an input of unknown rank as [], like a scalar: left to onnxruntime
+        if axes and len(shape) != len(axes):
+            raise VerifyError(f"{where}: {printable(what)}'s input {printable(meta.name)} has {len(axes)} "
+                              f"dimension(s), not {len(shape)}; save it with the model's shape")
+        for i, (d, v) in enumerate(zip(axes, shape)):
+            if isinstance(d, int) and d != v:
+                raise VerifyError(f"{where}: axis {i} of {printable(meta.name)} is fixed at {d} in "
+                                  f"{printable(what)}; save it with {d} there")
+        expected = _NUMPY_OF_ORT.get(meta.type)
+        if expected is not None and np.dtype(dtype) != np.dtype(expected):
+            raise VerifyError(f"{where}: {printable(what)}'s input {printable(meta.name)} is {meta.type}; "
+                              f"save it as {np.dtype(expected)}")
+
+
 def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
                 dims: Mapping[str, int], seed: int, what: str, hints: Mapping[str, tuple] | None = None,
                 ) -> tuple[dict[str, np.ndarray], list[InputSpec], dict[str, int]]:
     """Inputs for every graph input: from ``given``, else seeded random (float: N(0,1);
     integers: 0 or 1) with the shapes of :func:`resolve_shapes`. Also returns the named dims."""
+    for meta in sess.get_inputs():
+        if not meta.type.startswith("tensor("):
+            raise VerifyError(f"{printable(what)}: input {printable(meta.name)} has type {meta.type}; verify "
+                              "feeds tensors only (seeded random, or arrays from --inputs), so it cannot run "
+                              "this model")
     declared = declared_shapes(sess)
-    # an .npz may also hold expected outputs (as fixtures do): those are not fed
+    # an .npz may also hold expected outputs (as fixtures do): those are not fed, nor read
     known = set(declared) | {m.name for m in sess.get_outputs()}
     unknown = sorted(set(given) - known)
     if unknown:
         raise VerifyError(f"--inputs: {unknown} are neither inputs nor outputs of {what}")
-    arrays = {k: np.asarray(v) for k, v in given.items() if k in declared}
+    given_specs = {k: v for k, v in declared_arrays(given).items() if k in declared}
+    _check_given(sess, given_specs, what)
     random_shapes, named = resolve_shapes(declared, shapes=shapes, dims=dims,
-                                          given={k: v.shape for k, v in arrays.items()},
+                                          given={k: shape for k, (shape, _) in given_specs.items()},
                                           hints=hints, what=what)
-    rng = np.random.default_rng(seed)
-    feeds, specs = {}, []
+    rng = np.random.default_rng(check_seed(seed))
+    # every input is checked before any array is read or made
     for meta in sess.get_inputs():
-        if meta.name in arrays:
-            value = arrays[meta.name]
-            feeds[meta.name] = value
-            specs.append(InputSpec(meta.name, value.dtype, value.shape, "file"))
+        if meta.name in given_specs:
             continue
-        dtype = _NUMPY_OF_ORT.get(meta.type)
-        if dtype is None:
+        if _NUMPY_OF_ORT.get(meta.type) is None:
             raise VerifyError(f"{what}: input {printable(meta.name)} has type {meta.type}; pass it with --inputs FILE.npz")
         shape = random_shapes[meta.name]
         if math.prod(shape) > MAX_RANDOM_ELEMENTS:
             raise VerifyError(f"input {printable(meta.name)} of shape {list(shape)} would hold {math.prod(shape)} "
                               f"elements, over the {MAX_RANDOM_ELEMENTS} allowed for a random input; "
                               "give smaller --input/--dim sizes or pass arrays with --inputs")
+    feeds, specs = {}, []
+    for meta in sess.get_inputs():
+        if meta.name in given_specs:
+            value = np.asarray(given[meta.name])
+            feeds[meta.name] = value
+            specs.append(InputSpec(meta.name, value.dtype, value.shape, "file"))
+            continue
+        dtype = _NUMPY_OF_ORT[meta.type]
+        shape = random_shapes[meta.name]
         if np.dtype(dtype).kind == "f":
             value = rng.standard_normal(shape).astype(dtype)
         elif np.dtype(dtype) == np.bool_:
@@ -238,9 +320,12 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
     return feeds, specs, named
 
 
-def run(sess, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray]:
+def run(sess, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray | list]:
+    """Every output of ``sess`` by name (a tensor as an array, a sequence as a list of arrays)."""
+    options = _ort().RunOptions()
+    options.log_severity_level = _ORT_SILENT
     try:
         names = [o.name for o in sess.get_outputs()]
-        return dict(zip(names, sess.run(names, dict(feeds))))
-    except Exception as e:
-        raise VerifyError(f"{what}: onnxruntime failed to run it: {e}") from e
+        return dict(zip(names, sess.run(names, dict(feeds), options)))
+    except Exception as e:  # onnxruntime raises its own exception types for failed kernels
+        raise VerifyError(f"{printable(what)}: onnxruntime failed to run it: {one_line(e)}") from e

@@ -5,21 +5,57 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import CheckpointError, printable
+
 
 def _float32(tensor) -> np.ndarray:
     return np.asarray(tensor.numpy()).astype(np.float32)
 
 
 def has_bfloat16(path: str) -> bool:
-    import onnx_ir as ir
+    """Whether any declared type, initializer, Constant or Cast of the model at ``path`` is bfloat16.
 
-    from ..onnx.graph import load_model
+    Read from the protobuf (external data not loaded), so that models with types onnx-ir does
+    not represent (maps) still reach onnxruntime.
+    """
+    import onnx
+    from onnx import TensorProto
 
-    model = load_model(path)
-    bf16 = ir.DataType.BFLOAT16
-    values = list(model.graph.inputs) + list(model.graph.outputs) + list(model.graph.initializers.values())
-    values += [v for node in model.graph.all_nodes() for v in node.outputs]
-    return any(v.dtype == bf16 for v in values)
+    from ..onnx.graph import check_model_file
+
+    check_model_file(path)
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception as e:  # protobuf and onnx raise a variety of types for corrupt files
+        raise CheckpointError(f"{printable(path)}: not a readable ONNX model ({printable(str(e))})") from e
+    bf16 = TensorProto.BFLOAT16
+    graphs, found = [model.graph], False
+    while graphs and not found:
+        graph = graphs.pop()
+        values = [*graph.input, *graph.output, *graph.value_info]
+        found = any(_type_has(v.type, bf16) for v in values) or any(t.data_type == bf16 for t in graph.initializer)
+        for node in graph.node:
+            for attr in node.attribute:
+                found = found or (node.op_type == "Cast" and attr.name == "to" and attr.i == bf16)
+                found = found or (attr.HasField("t") and attr.t.data_type == bf16)
+                graphs += [attr.g] if attr.HasField("g") else []
+                graphs += list(attr.graphs)
+    return found
+
+
+def _type_has(type_proto, elem_type: int) -> bool:
+    which = type_proto.WhichOneof("value")
+    if which == "tensor_type":
+        return type_proto.tensor_type.elem_type == elem_type
+    if which == "sparse_tensor_type":
+        return type_proto.sparse_tensor_type.elem_type == elem_type
+    if which == "sequence_type":
+        return _type_has(type_proto.sequence_type.elem_type, elem_type)
+    if which == "optional_type":
+        return _type_has(type_proto.optional_type.elem_type, elem_type)
+    if which == "map_type":
+        return type_proto.map_type.key_type == elem_type or _type_has(type_proto.map_type.value_type, elem_type)
+    return False
 
 
 def upcast_bfloat16(path: str) -> bytes:
