@@ -260,7 +260,8 @@ def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
     names = table.names()
     steps: list[Step] = []
     for inputs, binding in _bindings(rule, names, table):
-        op = rule.op.for_present([n is not None for n in inputs])
+        # specs, not just presence: an op may resolve a parameter from them (bn_fold's layer)
+        op = rule.op.for_present([table.spec(n) if n is not None else None for n in inputs])
         inputs = [n for n in inputs if n is not None]
         specs = tuple(table.spec(n) for n in inputs)
         for name, spec in zip(inputs, specs):
@@ -284,7 +285,6 @@ def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
 
 
 def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
-    patterns = [p for p in rule.inputs if p is not None]
     over = rule.over if rule.op.kind != "unstack" else None
     if over is not None:
         pattern = rule.inputs[0]
@@ -306,21 +306,30 @@ def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
                     )
             yield [n for _, n in items], dict(key)
         return
+    # the inputs that find bindings: the op's binding_inputs (a BatchNorm's running
+    # statistics), else every input; the others must then exist for each binding found
+    roles = rule.op.named_inputs
+    finders = [k for k, p in enumerate(rule.inputs) if p is not None and (
+        not rule.op.binding_inputs or (k < len(roles) and roles[k] in rule.op.binding_inputs))]
     bindings: dict[tuple, dict[str, str]] = {}
-    for pattern in patterns:
+    for k in finders:
         for name in names:
-            b = _match(rule, pattern, name)
+            b = _match(rule, rule.inputs[k], name)
             if b is not None:
                 bindings.setdefault(tuple(sorted(b.items())), b)
     for _, binding in sorted(bindings.items()):
-        inputs = [p.format(binding) if p is not None else None for p in rule.inputs]
+        try:
+            inputs = [p.format(binding) if p is not None else None for p in rule.inputs]
+        except (PlanError, RuleError) as e:  # {n-1} with n = 0
+            raise PlanError(f"{rule.describe()}: {e}") from None
         for k, name in enumerate(inputs):
             if name is None or name in table:
                 continue
             if k in rule.op.optional_inputs:
                 inputs[k] = None
                 continue
-            present = next(n for n in inputs if n is not None and n in table)
+            present = next(inputs[j] for j in [*finders, *range(len(inputs))]
+                           if inputs[j] is not None and inputs[j] in table)
             raise PlanError(
                 f"{rule.describe()}: {name!r} not found (the rule found {present!r})"
                 f"{_closest_hint(name, names)}; check the pattern"

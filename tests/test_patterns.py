@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusectl.errors import RuleError
+from fusectl.errors import PlanError, RuleError
 from fusectl.rules.patterns import Pattern
 
 
@@ -317,3 +317,150 @@ def test_pattern_names_and_placeholders():
         ("i", "int"),
     ]
     assert str(p) == "{p*}.layers.{i:int}.{m}_proj.{i:int}"
+
+
+# --- index arithmetic: {n+K} / {n-K} next to {n:int} -------------------------------------
+
+
+def test_module_examples_hold():
+    import doctest
+
+    import fusectl.rules.patterns as patterns
+
+    failed, tried = doctest.testmod(patterns)
+    assert tried >= 8 and failed == 0
+
+
+@pytest.mark.parametrize(
+    "pattern, name, binding",
+    [
+        ("{p*}.{n+1}.running_mean", "cnn.1.running_mean", {"p": "cnn", "n": "0"}),
+        ("{p*}.{n+1}.running_mean", "cnn.10.running_mean", {"p": "cnn", "n": "9"}),
+        ("{p*}.{n+1}.running_mean", "1.running_mean", {"p": "", "n": "0"}),
+        ("{p*}.{n-1}.x", "a.b.9.x", {"p": "a.b", "n": "10"}),
+        ("{p*}.{n-1}.x", "0.x", {"p": "", "n": "1"}),
+        ("l{n+12}", "l12", {"n": "0"}),
+        ("blocks.{i:int}.to.{i+1}", "blocks.3.to.4", {"i": "3"}),
+        ("blocks.{i+1}.from.{i:int}", "blocks.4.from.3", {"i": "3"}),
+    ],
+)
+def test_offset_binds_the_index_it_shifts_from(pattern, name, binding):
+    assert match(pattern, name) == binding
+
+
+def test_offset_with_int_and_two_offsets_in_one_pattern_must_agree():
+    p = Pattern.parse("b.{i:int}.{i+1}.{i+2}")
+    assert p.match("b.7.8.9") == {"i": "7"}
+    assert p.match("b.7.8.10") is None
+    assert p.match("b.7.9.9") is None
+    assert Pattern.parse("x{i+1}.y{i+2}").match("x3.y4") == {"i": "2"}
+    assert Pattern.parse("x{i+1}.y{i+2}").match("x3.y5") is None
+    # {n:int} keeps its own text; the shifted copy compares by value
+    assert match("blocks.{i:int}.to.{i+1}", "blocks.09.to.10") == {"i": "09"}
+
+
+@pytest.mark.parametrize(
+    "pattern, name",
+    [
+        ("{p*}.{n+1}.running_mean", "cnn.0.running_mean"),  # n = -1 is no index
+        ("{p*}.{n+2}.running_mean", "cnn.1.running_mean"),
+        ("{p*}.{n+1}.running_mean", "cnn.01.running_mean"),  # leading zero: not canonical
+        ("{p*}.{n+1}.running_mean", "cnn.00.running_mean"),
+        ("{p*}.{n-1}.x", "a.007.x"),
+        ("{p*}.{n+1}.running_mean", "cnn.a.running_mean"),
+        ("{p*}.{n+1}.running_mean", "cnn.-1.running_mean"),
+        ("{p*}.{n+1}.running_mean", "cnn..running_mean"),
+        ("{p*}.{n+1}.running_mean", "cnn.1.weight"),
+        ("blocks.{i:int}.to.{i+1}", "blocks.3.to.3"),
+        ("blocks.{i:int}.to.{i+1}", "blocks.3.to.5"),
+        ("blocks.{i:int}.to.{i-1}", "blocks.0.to.0"),
+    ],
+)
+def test_offset_mismatch_is_no_match(pattern, name):
+    assert match(pattern, name) is None
+
+
+@pytest.mark.parametrize(
+    "pattern, binding, name",
+    [
+        ("{p*}.{n+1}.running_mean", {"p": "cnn", "n": "4"}, "cnn.5.running_mean"),
+        ("{p*}.{n+1}.running_mean", {"p": "", "n": "9"}, "10.running_mean"),
+        ("{p*}.{n-1}.x", {"p": "a", "n": "10"}, "a.9.x"),
+        ("{p*}.{n-3}.x", {"p": "a", "n": "3"}, "a.0.x"),
+        ("b.{i:int}.{i+1}", {"i": "007"}, "b.007.8"),
+        ("l{n+999}", {"n": "1"}, "l1000"),
+    ],
+)
+def test_offset_format_writes_the_shifted_index(pattern, binding, name):
+    assert Pattern.parse(pattern).format(binding) == name
+
+
+def test_offset_format_below_zero_is_a_plan_error():
+    with pytest.raises(PlanError) as e:
+        Pattern.parse("{p*}.{n-1}.weight").format({"p": "cnn", "n": "0"})
+    assert "{n-1}" in str(e.value) and "negative" in str(e.value) and "{p*}.{n-1}.weight" in str(e.value)
+
+
+def test_offset_on_a_very_long_index_does_not_hit_int_limits():
+    digits = "9" * 5000  # past Python's 4300-digit int() limit
+    assert Pattern.parse("a.{n+1}").match("a.1" + "0" * 5000) == {"n": digits}
+    assert Pattern.parse("a.{n+1}").format({"n": digits}) == "a.1" + "0" * 5000
+    assert Pattern.parse("a.{n:int}.{n+1}").match(f"a.{digits}.1{'0' * 5000}") == {"n": digits}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**30), st.integers(-999, 999).filter(bool), st.sampled_from(["", "enc", "a.b"]))
+def test_offset_format_then_match_round_trips(n, k, prefix):
+    text = f"{{p*}}.x{{n:int}}.y{{n{k:+d}}}"
+    p = Pattern.parse(text)
+    binding = {"p": prefix, "n": str(n)}
+    if n + k < 0:
+        with pytest.raises(PlanError):
+            p.format(binding)
+        return
+    name = p.format(binding)
+    assert name.endswith(f"x{n}.y{n + k}")
+    assert p.match(name) == binding
+    assert Pattern.parse(f"{{p*}}.y{{n{k:+d}}}").match(name.replace(f"x{n}.", "")) == binding
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("{p*+1}.w", "stands for segments"),
+        ("a.{n:int+1}", "write {n+1}"),
+        ("a.{n+0}", "write {n:int}"),
+        ("a.{n-00}", "write {n:int}"),
+        ("a.{n+01}", "offset '01'"),
+        ("a.{n+1000}", "from 1 to 999"),
+        ("a.{n}.{n+1}", "{n+1} shifts a whole number, but {n} binds 'n' as text; write {n:int}"),
+        ("{n*}.{n+1}", "{n+1} shifts a whole number, but {n*} binds 'n' as segments"),
+        ("a.{n:int}{n+1}", "touch"),
+    ],
+)
+def test_offset_on_text_segments_or_badly_written_is_refused_at_parse(text, expect):
+    with pytest.raises(RuleError) as e:
+        Pattern.parse(text)
+    assert text in str(e.value) and expect in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["a.{n+}", "a.{n+x}", "a.{n+-1}", "a.{n +1}", "a.{+1}"])
+def test_malformed_offset_is_an_error(text):
+    with pytest.raises(RuleError) as e:
+        Pattern.parse(text)
+    assert "{n+1}" in str(e.value)
+
+
+def test_offset_placeholders_count_as_their_name():
+    p = Pattern.parse("{p*}.{n+1}.{n-2}.w")
+    assert p.names == frozenset({"p", "n"})
+    assert [(x.name, x.kind, x.offset) for x in p.placeholders] == [
+        ("p", "multi", 0), ("n", "int", 1), ("n", "int", -2)]
+
+
+def test_name_that_binds_two_ways_with_an_offset_is_an_error_at_match():
+    p = Pattern.parse("w{a}1{n+1}")
+    assert p.match("wx12") == {"a": "x", "n": "1"}
+    with pytest.raises(RuleError) as e:
+        p.match("wx111")
+    assert "wx111" in str(e.value) and "w{a}1{n+1}" in str(e.value)

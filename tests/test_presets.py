@@ -211,3 +211,54 @@ output = "{p*}.layers.{i:int}.attention.wqkv.weight"
     result = cli("plan", src, "-r", rules, "-r", "llama-qkv")
     assert result.exit_code == 2
     assert "qkv-to-wqkv" in result.stderr
+
+
+# ------------------------------------------------------------------------------- conv-bn-fold
+
+
+def test_conv_bn_fold_preset_lists_both_namings_and_every_rule_is_optional(cli):
+    doc = tomllib.loads(ok(cli("rules", "show", "conv-bn-fold")).stdout)
+    assert "Sequential" in doc["description"] and "torchvision" in doc["description"]
+    assert [r["name"] for r in doc["rule"]] == ["conv-bn", "downsample-bn", "sequential-bn", "bn-counters",
+                                                "downsample-counters", "sequential-counters"]
+    assert all(r["optional"] is True for r in doc["rule"])  # a model with one naming only still fits
+    line = next(x for x in ok(cli("rules", "list")).stdout.splitlines() if x.split()[0] == "conv-bn-fold")
+    assert doc["description"] in line
+
+
+def _bn(prefix, c, seed):
+    rng = np.random.default_rng(seed)
+    t = {f"{prefix}.{k}": rng.uniform(0.5, 1.5, c).astype(np.float32) for k in ("weight", "bias", "running_mean", "running_var")}
+    t[f"{prefix}.num_batches_tracked"] = np.array(3, np.int64)
+    return t
+
+
+def test_conv_bn_fold_handles_torchvision_and_sequential_names_in_one_model(cli, tmp_path):
+    """A torchvision-named block beside Sequential stacks (MobileNet's Conv2dNormActivation is
+    features.{i}.0 + features.{i}.1): every pair folds, exactly their counters go."""
+    rng = np.random.default_rng(3)
+    tensors = {
+        "stem.conv1.weight": rng.standard_normal((4, 3, 3, 3)).astype(np.float32), **_bn("stem.bn1", 4, 1),
+        "layer1.0.downsample.0.weight": rng.standard_normal((4, 4, 1, 1)).astype(np.float32),
+        **_bn("layer1.0.downsample.1", 4, 2),
+        "features.0.0.weight": rng.standard_normal((8, 4, 3, 3)).astype(np.float32), **_bn("features.0.1", 8, 3),
+        "features.1.0.weight": rng.standard_normal((8, 1, 3, 3)).astype(np.float32), **_bn("features.1.1", 8, 4),
+        "classifier.1.weight": rng.standard_normal((5, 8)).astype(np.float32),
+        "classifier.1.bias": rng.standard_normal(5).astype(np.float32), **_bn("classifier.2", 5, 5),
+        "norm.0.running_mean": np.zeros(2, np.float32), "norm.0.num_batches_tracked": np.array(1, np.int64),
+    }
+    src = write_safetensors(tmp_path / "in.safetensors", tensors)
+    out = tmp_path / "out.safetensors"
+    ok(cli("fuse", src, "-r", "conv-bn-fold", "-o", out))
+    got = load_checkpoint_raw(out)
+    layers = ["stem.conv1", "layer1.0.downsample.0", "features.0.0", "features.1.0", "classifier.1"]
+    assert sorted(got) == sorted([f"{m}.{t}" for m in layers for t in ("weight", "bias")]
+                                 + ["norm.0.running_mean", "norm.0.num_batches_tracked"])
+    # the grouped/depthwise-shaped conv folds per output channel like any other
+    w = tensors["features.1.0.weight"]
+    bn = {k: tensors[f"features.1.1.{k}"].astype(np.float64) for k in ("weight", "bias", "running_mean", "running_var")}
+    scale = bn["weight"] / np.sqrt(bn["running_var"] + 1e-5)
+    folded = np.frombuffer(got["features.1.0.weight"][2], np.float32).reshape(w.shape)
+    np.testing.assert_allclose(folded, w * scale[:, None, None, None], rtol=1e-6)
+    bias = np.frombuffer(got["features.1.0.bias"][2], np.float32)
+    np.testing.assert_allclose(bias, -bn["running_mean"] * scale + bn["bias"], rtol=1e-6, atol=1e-7)

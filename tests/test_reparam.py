@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import ml_dtypes
@@ -250,3 +251,132 @@ def test_weight_norm_fold_of_0d_tensors(tmp_path):
     save_file({"m.weight_g": np.array(2.0, np.float32), "m.weight_v": np.array(-3.0, np.float32)}, str(src))
     out = fuse(tmp_path, src, "weight-norm-fold")
     assert load_file(out)["m.weight"] == np.float32(-2.0)  # g * v / |v|
+
+
+# ------------------------------------------------ nn.Sequential naming: {n} + {n+1}, layer auto
+
+
+def test_conv_bn_fold_of_sequential_names_matches_torch_fusion(tmp_path):
+    """A CRNN built from nn.Sequential: cnn.0+1, cnn.4 (no bias)+5, cnn.7+8 are Conv2d+BN2d,
+    head.0+1 Linear+BN1d; the LSTM between them passes through. Through the real CLI."""
+    src = REPARAM / "crnn_sequential.safetensors"
+    before = src.read_bytes()
+    out = tmp_path / "out.safetensors"
+    result = run("fuse", src, "-r", "conv-bn-fold", "-o", out)
+    assert result.exit_code == 0, result.output
+    folded, original = load_file(out), load_file(src)
+    reference = load_file(REPARAM / "crnn_sequential.reference.safetensors")
+    untouched = sorted(n for n in original if n.startswith("rnn."))
+    assert len(untouched) == 8
+    assert sorted(folded) == sorted([*reference, *untouched])  # no BN tensor, no counter left
+    assert "cnn.4.bias" in folded and "cnn.4.bias" not in original  # the bias-free conv gained one
+    assert_rel_close({n: folded[n] for n in reference}, reference, 1e-5)
+    assert all(folded[n].tobytes() == original[n].tobytes() for n in untouched)
+    assert src.read_bytes() == before
+
+
+def test_sequential_fold_reproduces_the_model_outputs(tmp_path):
+    # the eval-mode head output PyTorch stored: Linear on the folded weights gives it back
+    out = fuse(tmp_path, REPARAM / "crnn_sequential.safetensors", "conv-bn-fold")
+    folded = load_file(out)
+    io = load_file(REPARAM / "crnn_sequential.io.safetensors")
+    y = io["x_head"].astype(np.float64) @ folded["head.0.weight"].T.astype(np.float64) + folded["head.0.bias"]
+    np.testing.assert_allclose(y, io["y_head"], rtol=1e-5, atol=1e-5)
+
+
+def test_sequential_steps_record_the_layer_auto_resolved_to(tmp_path):
+    result = run("plan", REPARAM / "crnn_sequential.safetensors", "-r", "conv-bn-fold", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    layers = {s["inputs"][0]: s["params"]["layer"] for g in doc["groups"] for s in g["steps"] if s["op"] == "bn_fold"}
+    assert layers == {"cnn.0.weight": "conv", "cnn.4.weight": "conv", "cnn.7.weight": "conv", "head.0.weight": "linear"}
+
+
+def _bn(prefix, c, counter=True):
+    rng = np.random.default_rng(len(prefix) + c)
+    t = {f"{prefix}.{k}": rng.uniform(0.5, 1.5, c).astype(np.float32)
+         for k in ("weight", "bias", "running_mean", "running_var")}
+    if counter:
+        t[f"{prefix}.num_batches_tracked"] = np.array(10, np.int64)
+    return t
+
+
+def _ckpt(tmp_path, tensors, name="in.safetensors"):
+    path = tmp_path / name
+    save_file(tensors, str(path))
+    return path
+
+
+def test_bn_at_index_0_of_a_sequential_is_left_alone(tmp_path):
+    # Sequential(BatchNorm2d, Conv2d, BatchNorm2d): s.0 has nothing before it
+    tensors = {**_bn("s.0", 3), "s.1.weight": np.ones((4, 3, 1, 1), np.float32), **_bn("s.2", 4)}
+    out = fuse(tmp_path, _ckpt(tmp_path, tensors), "conv-bn-fold")
+    folded = load_file(out)
+    assert sorted(folded) == sorted([*_bn("s.0", 3), "s.1.weight", "s.1.bias"])
+    assert all(folded[n].tobytes() == tensors[n].tobytes() for n in _bn("s.0", 3))
+
+
+def test_bn_after_a_relu_is_an_error_naming_the_missing_weight(tmp_path):
+    # Sequential(Conv2d, ReLU, BatchNorm2d): the BN at 2 finds no layer weight at 1
+    tensors = {"f.0.weight": np.ones((4, 3, 1, 1), np.float32), "f.0.bias": np.zeros(4, np.float32), **_bn("f.2", 4)}
+    _bad(tmp_path, tensors, "conv-bn-fold", "'f.1.weight' not found (the rule found 'f.2.running_mean')")
+
+
+def test_only_running_statistics_find_bn_bindings(tmp_path):
+    """A layer weight pattern also fits the BN's own weight (cnn.1.weight as {n}=1): that is no
+    binding, and neither is a torchvision conv{n} without bn{n}."""
+    tensors = {"cnn.0.weight": np.ones((2, 1, 3, 3), np.float32), **_bn("cnn.1", 2),
+               "cnn.3.weight": np.ones((2, 2, 3, 3), np.float32),  # a conv with no BN after it
+               "m.conv2.weight": np.ones((2, 2, 1, 1), np.float32), "m.conv2.bias": np.ones(2, np.float32)}
+    out = fuse(tmp_path, _ckpt(tmp_path, tensors), "conv-bn-fold")
+    assert sorted(load_file(out)) == ["cnn.0.bias", "cnn.0.weight", "cnn.3.weight", "m.conv2.bias", "m.conv2.weight"]
+
+
+@pytest.mark.parametrize("missing, expect", [
+    ("bn1.running_var", "'bn1.running_var' not found (the rule found 'bn1.running_mean')"),
+    ("bn1.weight", "'bn1.weight' not found"),
+    ("conv1.weight", "'conv1.weight' not found"),
+])
+def test_a_bn_found_by_its_statistics_needs_every_other_input(tmp_path, missing, expect):
+    tensors = {"conv1.weight": np.ones((2, 1, 1, 1), np.float32), **_bn("bn1", 2)}
+    del tensors[missing]
+    _bad(tmp_path, tensors, "conv-bn-fold", expect)
+
+
+def _spec(*shape):
+    return TensorSpec(BY_NAME["F32"], shape)
+
+
+@pytest.mark.parametrize("shape, layer", [((6, 8), "linear"), ((6, 2, 5), "conv"), ((6, 2, 3, 3), "conv"),
+                                          ((6, 2, 3, 3, 3), "conv")])
+def test_layer_auto_reads_the_weight_rank(shape, layer):
+    op = BnFold(layer="auto")
+    specs = [_spec(*shape), _spec(6), *[_spec(6)] * 4]
+    assert op.for_present(specs).layer == layer
+    assert op.infer(specs, [f"x{k}" for k in range(6)]) == [_spec(*shape), _spec(6)]
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(s.shape).astype(np.float32) for s in specs]
+    arrays[5] = np.abs(arrays[5]) + 0.5
+    for a, b in zip(op.apply(arrays), BnFold(layer=layer).apply(arrays)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_layer_auto_refuses_a_weight_of_rank_1_naming_it():
+    with pytest.raises(PlanError, match="'w' has shape \\[6\\]; layer = \"auto\""):
+        BnFold(layer="auto").infer([_spec(6), *[_spec(6)] * 5], ["w", "b", "g", "be", "m", "v"])
+
+
+def test_unknown_layer_keeps_its_error(tmp_path):
+    rules = tmp_path / "r.toml"
+    rules.write_text(CONVT_RULES.replace("{m}", "fc").replace("groups = GROUPS", "")
+                     .replace('"conv_transpose"', '"deconv"'))
+    _bad(tmp_path, load_file(REPARAM / "convtranspose_bn.safetensors"), rules,
+         'layer = \'deconv\'; use "auto", "conv", "linear" or "conv_transpose"')
+
+
+def test_shifted_index_below_zero_is_an_error_naming_the_rule(tmp_path):
+    rules = tmp_path / "r.toml"
+    rules.write_text('version = 1\n[[rule]]\nname = "back"\nop = "rename"\n'
+                     'input = "l.{i:int}.w"\noutput = "l.{i-1}.w"\n')
+    _bad(tmp_path, {"l.0.w": np.ones(2, np.float32)}, rules, "rule 'back'")
+    _bad(tmp_path, {"l.0.w": np.ones(2, np.float32)}, rules, "{i-1} with i = 0 is -1; no name has a negative index")

@@ -280,6 +280,54 @@ def test_ambiguous_pattern_names_the_rule():
     assert SRC in msg and "attn-qkv" in msg and "{a}_{b}" in msg
 
 
+# --- index offsets ({n+1}) -------------------------------------------------------------
+
+BN_SEQUENTIAL = """op = "bn_fold"
+weight = "{p*}.{n:int}.weight"
+bias = "{p*}.{n:int}.bias"
+gamma = "{p*}.{n+1}.weight"
+beta = "{p*}.{n+1}.bias"
+mean = "{p*}.{n+1}.running_mean"
+var = "{p*}.{n+1}.running_var"
+output_weight = "{p*}.{n:int}.weight"
+output_bias = "{p*}.{n:int}.bias"
+layer = "auto"
+"""
+
+
+def test_offset_in_another_pattern_counts_as_the_same_placeholder():
+    (r,) = load(rule(BN_SEQUENTIAL, "seq-bn")).rules
+    assert [p.text for p in r.inputs][2] == "{p*}.{n+1}.weight"
+    assert all(p.names == {"p", "n"} for p in r.inputs)
+
+
+def test_offset_alone_and_in_outputs_load():
+    load(rule('op = "drop"\ninput = "{p*}.{n+1}.num_batches_tracked"'))
+    load(rule('op = "rename"\ninput = "l.{i+1}.w"\noutput = "l.{i:int}.w"'))
+    load(rule('op = "rename"\ninput = "l.{i:int}.w"\noutput = "l.{i-1}.w"'))
+
+
+@pytest.mark.parametrize(
+    "body, expect",
+    [
+        # n is text in one pattern, shifted in another: refused, naming both patterns
+        (BN_SEQUENTIAL.replace("{p*}.{n:int}.weight", "{p*}.{n}.weight", 1)
+         .replace('"{p*}.{n:int}.bias"\ngamma', '"{p*}.{n}.bias"\ngamma'),
+         "'{p*}.{n+1}.weight' writes {n+1}, which shifts a whole number, but '{p*}.{n}.weight' binds "
+         "'n' with {n}; write {n:int} there"),
+        ('op = "rename"\ninput = "l.{i}.w"\noutput = "l.{i+1}.w"', "'l.{i}.w' binds 'i' with {i}"),
+        ('op = "rename"\ninput = "{i*}.w"\noutput = "x.{i-1}.w"', "binds 'i' with {i*}"),
+        ('op = "rename"\ninput = "{p*+1}.w"\noutput = "x.w"', "stands for segments"),
+        ('op = "rename"\ninput = "l.{i+0}.w"\noutput = "x.{i:int}"', "write {i:int}"),
+        ('op = "concat"\ninputs = ["q.{i:int}", "k.{j+1}"]\noutput = "qk.{i:int}"', "use different placeholders"),
+        ('op = "rename"\ninput = "l.{i:int}.w"\noutput = "l.{j+1}.w"', "{j}, which no input binds"),
+    ],
+)
+def test_offset_errors_at_load_name_file_rule_and_pattern(body, expect):
+    msg = error(rule(body))
+    assert SRC in msg and "attn-qkv" in msg and expect in msg
+
+
 # --- over ---------------------------------------------------------------------------
 
 
@@ -386,3 +434,8 @@ def test_pattern_must_be_a_string():
 def test_rule_name_must_be_a_string():
     msg = error('version = 1\n[[rule]]\nname = 7\nop = "rename"\ninput = "a"\noutput = "b"\n')
     assert SRC in msg and "name" in msg
+
+
+def test_deeply_nested_toml_is_a_rule_error_not_a_crash():
+    msg = error("version = 1\na = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert SRC in msg and "nest too deeply" in msg

@@ -30,6 +30,11 @@ class Op:
     named_outputs: ClassVar[tuple[str, ...]] = ()
     # tensors a rule or a binding may lack (e.g. bn_fold's bias); by position in the inputs
     optional_inputs: ClassVar[frozenset[int]] = frozenset()
+    # named inputs whose matches find a rule's bindings (empty: every input's). A binding found
+    # this way needs the other inputs (optional ones aside), or it is an error naming the tensor
+    # missing; names that only fit the others are not bindings (a BatchNorm's own
+    # ``weight`` matched by a layer-weight pattern)
+    binding_inputs: ClassVar[tuple[str, ...]] = ()
 
     def for_present(self, present: Sequence[bool]) -> "Op":
         """The op to run when some optional inputs are absent (they are left out of its inputs)."""

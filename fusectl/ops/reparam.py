@@ -238,7 +238,15 @@ class SpectralNormFold(Op):
 
 @dataclasses.dataclass(frozen=True)
 class BnFold(Op):
-    """Fold BatchNorm into the preceding conv / linear / conv_transpose layer."""
+    """Fold BatchNorm into the preceding conv / linear / conv_transpose layer.
+
+    ``layer = "auto"`` reads the layer from the weight's rank: 2 is a linear (out, in), 3 or
+    more a conv (out, in/groups, k...). A ConvTranspose weight (in, out/groups, k...) has the
+    same rank as a Conv's, and when in and out channels are equal nothing in the shapes tells
+    them apart, so a ConvTranspose must still say ``layer = "conv_transpose"``. A rule's step
+    records the layer it resolved to. A BatchNorm is recognised by its running statistics:
+    only ``mean`` and ``var`` find a rule's bindings (``binding_inputs``).
+    """
 
     kind: ClassVar[str] = "bn_fold"
     summary: ClassVar[str] = "fold BatchNorm into the preceding layer"
@@ -246,13 +254,23 @@ class BnFold(Op):
     named_inputs: ClassVar[tuple[str, ...]] = ("weight", "bias", "gamma", "beta", "mean", "var")
     named_outputs: ClassVar[tuple[str, ...]] = ("output_weight", "output_bias")
     optional_inputs: ClassVar[frozenset[int]] = frozenset({1})
+    binding_inputs: ClassVar[tuple[str, ...]] = ("mean", "var")
+    layers: ClassVar[tuple[str, ...]] = ("auto", "conv", "linear", "conv_transpose")
     eps: float = 1e-5
     layer: str = "conv"
     groups: int = 1
     has_bias: bool = True
 
     def for_present(self, present):
-        return dataclasses.replace(self, has_bias=bool(present[1]))
+        """``present`` holds each input's TensorSpec (or a truthy flag), None/False when absent;
+        given the weight's spec, ``layer = "auto"`` is resolved so the step names its layer."""
+        op = dataclasses.replace(self, has_bias=bool(present[1]))
+        weight = present[0]
+        if self.layer == "auto" and isinstance(weight, TensorSpec):
+            layer = _layer_from_rank(len(weight.shape))
+            if layer is not None:
+                op = dataclasses.replace(op, layer=layer)
+        return op
 
     def input_roles(self):
         return tuple(r for r in self.named_inputs if r != "bias" or self.has_bias)
@@ -264,13 +282,19 @@ class BnFold(Op):
         return items
 
     def _channels(self, w: Sequence[int], name: str) -> int:
-        if self.layer not in ("conv", "linear", "conv_transpose"):
-            raise PlanError(f"bn_fold: layer = {self.layer!r}; use \"conv\", \"linear\" or \"conv_transpose\"")
-        if self.layer == "linear" and len(w) != 2:
+        if self.layer not in self.layers:
+            raise PlanError(f"bn_fold: layer = {self.layer!r}; use \"auto\", \"conv\", \"linear\" or \"conv_transpose\"")
+        layer = self.layer
+        if layer == "auto":
+            layer = _layer_from_rank(len(w))
+            if layer is None:
+                raise PlanError(f"{name!r} has shape {list(w)}; layer = \"auto\" needs a linear weight "
+                                "(out, in) or a conv weight (out, in, k...)")
+        if layer == "linear" and len(w) != 2:
             raise PlanError(f"{name!r} has shape {list(w)}; a linear weight is (out, in)")
         if len(w) < 2:
             raise PlanError(f"{name!r} has shape {list(w)}; a conv weight has at least 2 dimensions")
-        if self.layer == "conv_transpose":
+        if layer == "conv_transpose":
             if self.groups <= 0 or w[0] % self.groups:
                 raise PlanError(f"{name!r}: {w[0]} input channels do not split into {self.groups} groups")
             return w[1] * self.groups
@@ -307,6 +331,11 @@ class BnFold(Op):
             folded = wc * scale.reshape((-1,) + (1,) * (w.ndim - 1))
         bias = (bc - mean) * scale + beta
         return [folded.astype(w.dtype), bias.astype(b.dtype if b is not None else w.dtype)]
+
+
+def _layer_from_rank(rank: int) -> str | None:
+    """bn_fold's ``layer = "auto"``: 2 dimensions are a linear layer, 3 or more a conv."""
+    return "linear" if rank == 2 else "conv" if rank >= 3 else None
 
 
 REPARAM_OPS: tuple[type[Op], ...] = (WeightNormFold, WeightNormUnfold, SpectralNormFold, BnFold)

@@ -1,4 +1,5 @@
-"""Name patterns: ``{x}`` one dot-free run, ``{x:int}`` digits, ``{x*}`` zero or more segments.
+"""Name patterns: ``{x}`` one dot-free run, ``{x:int}`` digits, ``{x*}`` zero or more segments,
+``{n+1}`` / ``{n-1}`` a whole number ``n`` shifted by a small offset.
 
 >>> p = Pattern.parse("{p*}.weight_ih_l{k:int}")
 >>> p.match("enc.rnn.weight_ih_l0")
@@ -7,23 +8,67 @@
 {'p': '', 'k': '3'}
 >>> p.format({"p": "", "k": "1"})
 'weight_ih_l1'
+
+An offset binds the index it is shifted from, so a BatchNorm at ``cnn.5`` names the layer at
+``cnn.4``; the text must be canonical digits and the index must not go below 0:
+
+>>> bn = Pattern.parse("{p*}.{n+1}.running_mean")
+>>> bn.match("cnn.5.running_mean")
+{'p': 'cnn', 'n': '4'}
+>>> Pattern.parse("{p*}.{n:int}.weight").format({"p": "cnn", "n": "4"})
+'cnn.4.weight'
+>>> bn.match("cnn.0.running_mean") is None, bn.match("cnn.05.running_mean") is None
+(True, True)
+>>> Pattern.parse("blocks.{i:int}.to.{i+1}").match("blocks.2.to.4") is None
+True
 """
 
 from __future__ import annotations
 
+import decimal
 import re
 from dataclasses import dataclass
 
-from ..errors import RuleError
+from ..errors import PlanError, RuleError
 
-_TOKEN = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(:int|\*)?\}")
+_TOKEN = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(:int|\*)?(?:([+-])([0-9]+))?\}")
 _SEGMENT = r"[^.]+"
+_DIGITS = re.compile(r"[0-9]+")
+_CANONICAL = r"0|[1-9][0-9]*"
+MAX_OFFSET = 999
 
 
 @dataclass(frozen=True)
 class Placeholder:
     name: str
     kind: str  # "seg", "int" or "multi"
+    offset: int = 0  # {n+1}: kind "int", offset 1
+
+    @property
+    def label(self) -> str:
+        """How the pattern writes it, without braces: ``n``, ``n+1``, ``n-2``."""
+        return f"{self.name}{self.offset:+d}" if self.offset else self.name
+
+    @property
+    def written(self) -> str:
+        """The placeholder as a rules file writes it: ``{x}``, ``{x:int}``, ``{x*}``, ``{n+1}``."""
+        if self.offset:
+            return "{" + self.label + "}"
+        return "{" + self.name + {"seg": "", "int": ":int", "multi": "*"}[self.kind] + "}"
+
+
+def shift_index(digits: str, delta: int) -> str | None:
+    """``digits`` + ``delta`` as canonical digits; None when the result is negative.
+
+    Decimal arithmetic, so an index of any length (names are budgeted, not int()-limited) works.
+
+    >>> shift_index("9", 1), shift_index("007", -7), shift_index("0", -1)
+    ('10', '0', None)
+    """
+    with decimal.localcontext() as ctx:
+        ctx.prec = len(digits) + 8
+        value = decimal.Decimal(digits) + delta
+    return str(value) if value >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -42,8 +87,7 @@ class Pattern:
         for m in _TOKEN.finditer(text):
             if m.start() > pos:
                 parts.append(text[pos : m.start()])
-            kind = {None: "seg", ":int": "int", "*": "multi"}[m.group(2)]
-            parts.append(Placeholder(m.group(1), kind))
+            parts.append(_placeholder(text, m))
             pos = m.end()
         if pos < len(text):
             parts.append(text[pos:])
@@ -51,7 +95,7 @@ class Pattern:
         if stray:
             raise RuleError(
                 f"pattern {text!r}: malformed placeholder in {stray[0]!r}; "
-                "write {x}, {x:int} or {x*}"
+                "write {x}, {x:int}, {x*}, or {n+1} / {n-1} for a shifted index"
             )
         pattern = cls(text, tuple(parts))
         pattern._check_unambiguous()
@@ -72,18 +116,27 @@ class Pattern:
                 f"pattern {self.text!r} could bind two ways: it has more than one "
                 "{x*} placeholder; keep one and spell the rest out"
             )
-        seen: dict[str, str] = {}
+        seen: dict[str, Placeholder] = {}
         for i, part in enumerate(self.parts):
             if not isinstance(part, Placeholder):
                 continue
-            if part.name in seen and seen[part.name] != part.kind:
+            if part.name in seen and seen[part.name].kind != part.kind:
+                other = seen[part.name]
+                shifted = part if part.offset else other if other.offset else None
+                if shifted is not None:
+                    plain = other if shifted is part else part
+                    raise RuleError(
+                        f"pattern {self.text!r}: {shifted.written} shifts a whole number, but "
+                        f"{plain.written} binds {part.name!r} as {_KIND_WORDS[plain.kind]}; "
+                        f"write {{{part.name}:int}}"
+                    )
                 raise RuleError(f"pattern {self.text!r}: {{{part.name}}} is used with two kinds")
-            seen[part.name] = part.kind
+            seen.setdefault(part.name, part)
             nxt = self.parts[i + 1] if i + 1 < len(self.parts) else None
             if isinstance(nxt, Placeholder):
                 raise RuleError(
                     f"pattern {self.text!r} could bind two ways: "
-                    f"{{{part.name}}} and {{{nxt.name}}} touch; put a literal between them"
+                    f"{part.written} and {nxt.written} touch; put a literal between them"
                 )
             if part.kind == "multi":
                 before = self.parts[i - 1] if i else None
@@ -117,10 +170,19 @@ class Pattern:
                     segments[-1].append(piece)
         return segments
 
+    def _groups(self) -> dict[tuple[str, int], str]:
+        """Regex group per distinct (name, offset): ``{n:int}`` and ``{n+1}`` match different
+        text, so each gets its own group and the match checks that they agree."""
+        groups: dict[tuple[str, int], str] = {}
+        for p in self.placeholders:
+            groups.setdefault((p.name, p.offset), f"g{len(groups)}")
+        return groups
+
     def regex(self, lazy: bool = False) -> re.Pattern:
         """Regex for this pattern (lazy quantifiers when ``lazy``, to detect two bindings)."""
         q = "?" if lazy else ""
         out: list[str] = []
+        groups = self._groups()
         used: set[str] = set()
         parts = list(self.parts)
         i = 0
@@ -130,17 +192,20 @@ class Pattern:
                 out.append(re.escape(part))
                 i += 1
                 continue
-            if part.name in used:
-                out.append(f"(?P={part.name})")
+            group = groups[(part.name, part.offset)]
+            if group in used:
+                out.append(f"(?P={group})")
                 i += 1
                 continue
-            used.add(part.name)
-            if part.kind == "seg":
-                out.append(f"(?P<{part.name}>[^.]+{q})")
+            used.add(group)
+            if part.offset:  # canonical digits only: "05" is no index, so {n+1} refuses it
+                out.append(f"(?P<{group}>0|[1-9][0-9]*{q})")
+            elif part.kind == "seg":
+                out.append(f"(?P<{group}>[^.]+{q})")
             elif part.kind == "int":
-                out.append(f"(?P<{part.name}>[0-9]+{q})")
+                out.append(f"(?P<{group}>[0-9]+{q})")
             else:
-                body = f"(?P<{part.name}>{_SEGMENT}(?:\\.{_SEGMENT})*{q})"
+                body = f"(?P<{group}>{_SEGMENT}(?:\\.{_SEGMENT})*{q})"
                 nxt = parts[i + 1] if i + 1 < len(parts) else None
                 if isinstance(nxt, str):  # "{p*}.rest": the dot goes with the segments
                     out.append(f"(?:{body}\\.){'?' if not lazy else '??'}")
@@ -156,25 +221,49 @@ class Pattern:
     def match(self, name: str) -> dict[str, str] | None:
         """Bind this pattern to ``name``; None when it does not match.
 
+        A shifted placeholder binds the index it is shifted from (``{n+1}`` on ``"5"`` binds
+        ``n = "4"``); None when that index would be negative or disagrees with ``{n:int}``.
         Raises RuleError when the name can be bound two ways (greedy and lazy disagree).
         """
         greedy = self.regex().fullmatch(name)
         if greedy is None:
             return None
         lazy = self.regex(lazy=True).fullmatch(name)
-        bound = self._binding(greedy)
-        if lazy is not None and self._binding(lazy) != bound:
+        raw = self._texts(greedy)
+        if lazy is not None and self._texts(lazy) != raw:
             raise RuleError(
                 f"pattern {self.text!r} binds {name!r} two ways "
-                f"({bound} and {self._binding(lazy)}); make the pattern more specific"
+                f"({raw} and {self._texts(lazy)}); make the pattern more specific"
             )
-        return bound
+        return self._binding(raw)
 
-    def _binding(self, m: re.Match) -> dict[str, str]:
-        return {p.name: m.group(p.name) or "" for p in self.placeholders}
+    def _texts(self, m: re.Match) -> dict[str, str]:
+        """The text each placeholder matched, keyed by its label (``n``, ``n+1``)."""
+        groups = self._groups()
+        return {p.label: m.group(groups[(p.name, p.offset)]) or "" for p in self.placeholders}
+
+    def _binding(self, texts: dict[str, str]) -> dict[str, str] | None:
+        shifted: dict[str, str] = {}
+        for p in self.placeholders:
+            if p.offset:
+                index = shift_index(texts[p.label], -p.offset)
+                if index is None or shifted.setdefault(p.name, index) != index:
+                    return None
+        binding: dict[str, str] = {}
+        for p in self.placeholders:
+            if p.name in binding:
+                continue
+            if p.name in shifted and p.name in texts:  # {n:int} and {n+1} must agree
+                if (texts[p.name].lstrip("0") or "0") != shifted[p.name]:
+                    return None
+            binding[p.name] = texts[p.name] if p.name in texts else shifted[p.name]
+        return binding
 
     def format(self, binding: dict[str, str]) -> str:
-        """The name this pattern makes under ``binding``; every placeholder must be bound."""
+        """The name this pattern makes under ``binding``; every placeholder must be bound.
+
+        PlanError when a shifted index would be negative (``{n-1}`` with n = 0).
+        """
         out = ""
         parts = list(self.parts)
         for i, part in enumerate(parts):
@@ -182,6 +271,19 @@ class Pattern:
                 out += part
                 continue
             value = binding[part.name]
+            if part.offset:
+                if not _DIGITS.fullmatch(value):
+                    raise RuleError(
+                        f"pattern {self.text!r}: {part.written} shifts a whole number, "
+                        f"but {part.name!r} is {value!r}"
+                    )
+                shifted = shift_index(value, part.offset)
+                if shifted is None:
+                    raise PlanError(
+                        f"pattern {self.text!r}: {part.written} with {part.name} = {value} is "
+                        f"{int(value) + part.offset}; no name has a negative index"
+                    )
+                value = shifted
             if part.kind == "multi" and value == "":
                 if i + 1 < len(parts) and isinstance(parts[i + 1], str):
                     parts[i + 1] = parts[i + 1][1:]
@@ -193,3 +295,26 @@ class Pattern:
 
     def __str__(self) -> str:
         return self.text
+
+
+_KIND_WORDS = {"seg": "text", "int": "a whole number", "multi": "segments"}
+
+
+def _placeholder(text: str, m: re.Match) -> Placeholder:
+    """One ``{...}`` token; offsets only on whole numbers, as ``{n+K}`` with 1 <= K <= 999."""
+    name, suffix, sign, digits = m.groups()
+    if sign is None:
+        return Placeholder(name, {None: "seg", ":int": "int", "*": "multi"}[suffix])
+    token = m.group(0)
+    if suffix == "*":
+        raise RuleError(
+            f"pattern {text!r}: {token} shifts {{{name}*}}, which stands for segments; "
+            f"an offset applies only to a whole number, as {{{name}{sign}{digits}}} next to {{{name}:int}}"
+        )
+    if suffix == ":int":
+        raise RuleError(f"pattern {text!r}: write {{{name}{sign}{digits}}}, not {token}; "
+                        "an offset already makes it a whole number")
+    if not (len(digits) <= 3 and (digits == "0" or not digits.startswith("0"))) or int(digits) == 0:
+        hint = f"write {{{name}:int}}" if digits.strip("0") == "" else f"use an offset from 1 to {MAX_OFFSET}"
+        raise RuleError(f"pattern {text!r}: {token} has offset {digits!r}; {hint}")
+    return Placeholder(name, "int", int(digits) if sign == "+" else -int(digits))

@@ -57,6 +57,9 @@ def load_rules(
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RuleError(f"{source}: not valid TOML: {e}") from e
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise RuleError(f"{source}: arrays or tables nest too deeply to read; a rules file "
+                        "needs a few levels at most") from None
     _no_unknown_keys(doc, _TOP_KEYS, source)
     if type(doc.get("version")) is not int or doc["version"] != 1:
         raise RuleError(f"{source}: 'version = 1' is required (got {doc.get('version')!r})")
@@ -217,6 +220,7 @@ def _listed_io(raw: dict, op_cls, over, where: str):
 
 def _check_placeholders(inputs, outputs, over, kind, where) -> None:
     inputs = [p for p in inputs if p is not None]
+    _check_offsets([*inputs, *outputs], where)
     bound = set().union(*(p.names for p in inputs))
     for p in inputs[1:]:
         if p.names != inputs[0].names:
@@ -245,6 +249,28 @@ def _check_placeholders(inputs, outputs, over, kind, where) -> None:
             raise RuleError(
                 f"{where}: output {p.text!r} uses {{{sorted(unbound)[0]}}}, which no input binds"
             )
+
+
+def _check_offsets(patterns, where) -> None:
+    """``{n+1}`` shifts a whole number: no pattern of the rule may bind n as text or segments.
+
+    n may also be written ``{n:int}`` (in the same pattern or another one) or only shifted:
+    ``{p*}.{n+1}.num_batches_tracked`` drops the counters of every BatchNorm at index 1 or more.
+    """
+    plain = {}
+    for pattern in patterns:
+        for p in pattern.placeholders:
+            if not p.offset:
+                plain.setdefault(p.name, (p, pattern))
+    for pattern in patterns:
+        for p in pattern.placeholders:
+            other = plain.get(p.name)
+            if p.offset and other is not None and other[0].kind != "int":
+                raise RuleError(
+                    f"{where}: {pattern.text!r} writes {p.written}, which shifts a whole number, but "
+                    f"{other[1].text!r} binds {p.name!r} with {other[0].written}; write {{{p.name}:int}} "
+                    "there (offsets apply only to whole numbers)"
+                )
 
 
 def _make_op(op_cls, raw, params, n_outputs, variables: _LazyVariables, where) -> Op:
