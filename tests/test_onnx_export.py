@@ -199,11 +199,53 @@ def test_export_refuses_an_existing_output_and_leaves_no_partial_file(tmp_path):
     before = out.read_bytes()
     result = run("export", fused, "--graph", ONNX / "wnconv" / "model.onnx", "-o", out)
     assert result.exit_code == 2 and "--force" in result.output and out.read_bytes() == before
-    # a graph without the weight_norm subgraph (constant-folded by the exporter) cannot take the fold
+    # a graph whose exporter constant-folded weight_norm into anonymous initializers cannot take
+    # the unfolded checkpoint: refused, nothing written
     bad = tmp_path / "bad.onnx"
-    result = run("export", fused, "--graph", ONNX / "wnconv" / "model_folded.onnx", "-o", bad)
-    assert result.exit_code == 2 and result.output.startswith("error:")
+    result = run("export", ONNX / "wnconv", "--graph", ONNX / "wnconv" / "model_folded.onnx", "-o", bad)
+    assert result.exit_code == 2 and result.output.startswith("error: graph initializer 'onnx::Conv_")
     assert not bad.exists() and not [p for p in tmp_path.iterdir() if "fusectl-tmp" in p.name]
+
+
+@pytest.mark.parametrize("name, preset, graph", [
+    ("wnconv", "weight-norm-fold", "model_folded.onnx"),
+    ("convbn", "conv-bn-fold", "model_folded.onnx"),
+])
+def test_a_folded_checkpoint_takes_the_place_of_the_folds_an_exporter_made(tmp_path, name, preset, graph):
+    """TorchScript with constant folding computes the same folds into anonymous initializers
+    (onnx::Conv_26); fusectl's fold equals them within float32 rounding, not bitwise, so they
+    pair as "close" and the export holds the checkpoint's own folded weights."""
+    fused = tmp_path / "fused"
+    ok(run("fuse", ONNX / name, "-r", preset, "-o", fused, "--quiet"))
+    doc = json.loads(ok(run("map", fused, ONNX / name / graph, "--json")).output)
+    assert any(p["how"] == "close" and p["data"] == "close" for p in doc["pairs"])
+    out = tmp_path / "out.onnx"
+    ok(run("export", fused, "--graph", ONNX / name / graph, "-o", out))
+    io = dict(np.load(ONNX / name / "io.npz"))
+    np.testing.assert_allclose(run_model(out, io)["y"], io["y"], atol=1e-4, rtol=0)
+    graph_names = {i.name for i in onnx.load(str(out)).graph.initializer}
+    assert not any(n.startswith("onnx::") for n in graph_names), graph_names
+
+
+def test_map_pairs_names_whose_first_segment_differs(tmp_path):
+    """A DataParallel checkpoint (``module.``) against a graph exported through a wrapper
+    (``m.``): one leading segment swapped on both sides."""
+    import safetensors.numpy as stn
+
+    tensors = stn.load_file(str(ONNX / "convbn" / "model.safetensors"))
+    ckpt = tmp_path / "dp.safetensors"
+    save_file({f"module.{k}": v for k, v in tensors.items()}, str(ckpt))
+    model = onnx.load(str(ONNX / "convbn" / "model.onnx"))
+    for init in model.graph.initializer:
+        old = init.name
+        init.name = f"m.{old}"
+        for node in model.graph.node:
+            node.input[:] = [f"m.{old}" if i == old else i for i in node.input]
+    graph = tmp_path / "wrapped.onnx"
+    onnx.save(model, str(graph))
+    doc = json.loads(ok(run("map", ckpt, graph, "--json")).output)
+    assert (doc["graph_prefix"], doc["checkpoint_prefix"]) == ("m.", "module.")
+    assert {p["how"] for p in doc["pairs"]} == {"name"} and len(doc["pairs"]) == 11
 
 
 def test_export_of_a_corrupt_graph_is_exit_2(tmp_path):

@@ -173,6 +173,7 @@ class Exporter:
         rest = [n for n in mapping.unmatched_graph if n not in explained_graph]
         direct = map_names(self.ckpt.table, {n: readers[n] for n in rest}, {n: specs[n] for n in rest})
         self.direct = {p.initializer: (p.structural, p.how == "transposed") for p in direct.pairs}
+        self.direct_structurals = {p.structural for p in direct.pairs}
         self._refuse_stale_weights(original, mapping, direct, specs, explained_ckpt)
         for name in {p.initializer for p in mapping.pairs} | set(self.direct):
             value = self.graph.initializers.pop(name)
@@ -229,6 +230,10 @@ class Exporter:
                         raise ExportError(f"{group.describe()}: {name!r} is transformed again later; "
                                           "export supports numeric folds only on final tensors")
                 ins = [current.get(n) for n in step.inputs]
+                if all(o in self.direct_structurals for o in step.outputs):
+                    # the exporter folded it already and the graph holds the checkpoint's result
+                    self.folded += 1
+                    continue
                 if kind == "bn_fold" and ins[0] and not all(ins[2:]):
                     # no BatchNorm in the graph: the exporter may have folded it already
                     self._rebind_folded_layer(group, step, ins[0][0][0])

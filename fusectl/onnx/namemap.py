@@ -25,9 +25,12 @@ from ..tensors import LazyTensor
 class Pair:
     structural: str
     initializer: str
-    how: str  # "name", "content" or "transposed" (the initializer is the tensor transposed)
-    # "equal": same dtype, shape and bytes; "differs": paired by name, other data (an exporter
-    # folded something into it); "unknown": the checkpoint has the name but not its data
+    # "name", "content", "transposed" (the initializer is the tensor transposed) or "close"
+    # (content equal within the dtype's tolerance: a fold the exporter computed itself)
+    how: str
+    # "equal": same dtype, shape and bytes; "close": within tolerance; "differs": paired by
+    # name, other data (an exporter folded something into it); "unknown": the checkpoint has
+    # the name but not its data
     data: str = "equal"
 
 
@@ -60,6 +63,43 @@ def _digest(array: np.ndarray) -> tuple:
             hashlib.blake2b(array.reshape(-1).view(np.uint8).data, digest_size=16).digest())
 
 
+# close pairs are looked for only among this many (initializer, tensor) candidates: they are
+# the exporter's own folds, a handful; past that, what is left is refused as stale, never guessed
+MAX_CLOSE_CANDIDATES = 10_000
+
+
+def _pair_close(table, initializers, initializer_specs, matched_graph, matched_unique, add) -> None:
+    """Pair what is left by content equal within the dtype's tolerance ("close"): an exporter
+    that constant-folds a BatchNorm or weight_norm computes the fold fusectl recorded, up to
+    rounding (TorchScript's ``onnx::Conv_299`` against a ``conv-bn-fold`` checkpoint)."""
+    from ..verify.compare import default_tolerance
+
+    left = {}
+    for _, tensor in table.unique():
+        if id(tensor) in matched_unique or not tensor.has_data() or tensor.spec.dtype.packed:
+            continue
+        if tensor.spec.dtype.numpy.kind != "f" or not tensor.spec.shape:
+            continue
+        left.setdefault((str(tensor.spec.dtype.numpy), tensor.spec.shape), []).append(tensor)
+    candidates = [(name, left[key]) for name in initializers if name not in matched_graph
+                  for key in [(initializer_specs[name][0], tuple(initializer_specs[name][1]))] if key in left]
+    if not candidates or sum(len(ts) for _, ts in candidates) > MAX_CLOSE_CANDIDATES:
+        return
+    arrays: dict[int, np.ndarray] = {}
+    for name, tensors in candidates:
+        theirs = np.asarray(initializers[name](), np.float64)
+        for tensor in tensors:
+            if id(tensor) in matched_unique:
+                continue
+            if id(tensor) not in arrays:
+                arrays[id(tensor)] = np.asarray(Materializer([tensor]).array(tensor), np.float64)
+            mine = arrays[id(tensor)]
+            atol, rtol = default_tolerance(tensor.spec.dtype.numpy)
+            if np.all(np.isfinite(mine)) and np.all(np.abs(mine - theirs) <= atol + rtol * np.abs(theirs)):
+                add(id(tensor), name, "close", "close")
+                break
+
+
 def _same_data(tensor: LazyTensor, initializer: Callable[[], np.ndarray]) -> str:
     if not tensor.has_data():
         return "unknown"
@@ -71,7 +111,13 @@ def _same_data(tensor: LazyTensor, initializer: Callable[[], np.ndarray]) -> str
 
 
 def common_prefix(structural: list[str], graph: list[str]) -> tuple[str, str]:
-    """The (graph prefix, checkpoint prefix) under which the most names coincide."""
+    """The (graph prefix, checkpoint prefix) under which the most names coincide: a prefix on
+    one side (an exporter's wrapper, ``model.``), or one leading segment swapped for another
+    (``module.`` of a DataParallel checkpoint against a wrapper's ``m.``).
+
+    >>> common_prefix(["module.conv.weight", "module.conv.bias"], ["m.conv.weight", "m.conv.bias", "x"])
+    ('m.', 'module.')
+    """
     counts: Counter[tuple[str, str]] = Counter()
     struct_set, graph_set = set(structural), set(graph)
     for names, others, side in ((graph, struct_set, 0), (structural, graph_set, 1)):
@@ -82,6 +128,16 @@ def common_prefix(structural: list[str], graph: list[str]) -> tuple[str, str]:
                     prefix = ".".join(parts[:k]) + ("." if k else "")
                     counts[(prefix, "") if side == 0 else ("", prefix)] += 1
                     break
+    graph_rest: dict[str, set[str]] = {}
+    for name in graph:
+        head, _, rest = name.partition(".")
+        if rest.count(".") >= 1:  # at least two segments must coincide
+            graph_rest.setdefault(rest, set()).add(head + ".")
+    for name in structural:
+        head, _, rest = name.partition(".")
+        for graph_head in graph_rest.get(rest, ()):
+            if graph_head != head + ".":
+                counts[(graph_head, head + ".")] += 1
     if not counts:
         return "", ""
     return counts.most_common(1)[0][0]
@@ -157,6 +213,7 @@ def map_names(
             for initializer in graph_by_digest.get(key, []):
                 if initializer not in matched_graph:
                     add(id(tensor), initializer, how)
+    _pair_close(table, initializers, initializer_specs, matched_graph, matched_unique, add)
     result.pairs.sort(key=lambda p: (p.structural, p.initializer))
     paired = {p.structural for p in result.pairs}
     result.unmatched_checkpoint = [n for n in names if n not in paired]
