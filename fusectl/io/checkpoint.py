@@ -274,6 +274,9 @@ def _read_sharded(index_path: str, boundary: LinkBoundary):
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
+    if not weight_map:
+        raise CheckpointError(f"{index_path}: 'weight_map' is empty, so the index names no tensor; "
+                              "the file is truncated or corrupt")
     check_limit("tensors", len(weight_map), index_path)
     index_meta = index.get("metadata")
     if index_meta is None:
@@ -286,10 +289,10 @@ def _read_sharded(index_path: str, boundary: LinkBoundary):
     files = []
     for shard in sorted(set(weight_map.values())):
         shard_path = os.path.join(folder, shard)
-        if os.path.basename(shard) != shard or shard in ("", ".", "..") or "\0" in shard:
-            raise CheckpointError(f"{index_path}: shard {quote(shard)} is not a file name beside the index")
+        if os.path.basename(shard) != shard or shard in ("", ".", "..") or not shard.isprintable():
+            raise CheckpointError(f"{index_path}: shard {_shown(shard)} is not a file name beside the index")
         if not os.path.lexists(shard_path):
-            raise CheckpointError(f"{index_path}: shard {quote(shard)} is missing beside the index")
+            raise CheckpointError(f"{index_path}: shard {_shown(shard)} is missing beside the index")
         boundary.check(shard_path)
         tensors, shard_meta = read_header(shard_path)
         files.append(shard_path)
@@ -302,6 +305,12 @@ def _read_sharded(index_path: str, boundary: LinkBoundary):
     for name, shard in weight_map.items():
         if name not in stored or stored[name].location.path != os.path.join(folder, shard):
             raise CheckpointError(
-                f"{index_path}: the index puts {quote(name)} in {quote(shard)}, which does not hold it"
+                f"{index_path}: the index puts {_shown(name)} in {_shown(shard)}, which does not hold it"
             )
     return stored, metadata, files, index_meta
+
+
+def _shown(name: str) -> str:
+    """A name from an index, quoted for an error, and cut short: the index is not bounded by the
+    name budget the way a shard's header is."""
+    return quote(name) if len(name) <= 200 else quote(name[:200]) + f"... ({len(name)} characters)"

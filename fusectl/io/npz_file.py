@@ -124,6 +124,12 @@ def _string_map(extras: dict[str, bytes], member: str, path: str) -> dict[str, s
     value = load_json(extras[member], path, f"member {member}")
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise CheckpointError(f"{path}: member {member} must map strings to strings")
+    try:
+        for text in (*value, *value.values()):
+            text.encode()
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{path}: member {member} holds a lone UTF-16 surrogate, which is not text; "
+                              "the file is corrupt") from None
     return value
 
 

@@ -108,7 +108,11 @@ def _list(value: object, what: str) -> list:
 def _name(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise _Invalid(f"{what} must be a non-empty tensor name, not {_short(value)}")
-    _within("name-bytes", len(value.encode("utf-8", "surrogatepass")), f"{what} {quote(value[:80])}")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:
+        raise _Invalid(f"{what} {quote(value[:80])} holds a lone UTF-16 surrogate, which is not text") from None
+    _within("name-bytes", size, f"{what} {quote(value[:80])}")
     return value
 
 
@@ -201,7 +205,10 @@ def _check_params(op: type[Op], params: dict, what: str) -> None:
 
 @functools.cache
 def _param_types(op: type[Op]) -> dict[str, object]:
-    hints = typing.get_type_hints(op)
+    try:
+        hints = typing.get_type_hints(op)
+    except (NameError, TypeError):  # an annotation this check cannot resolve: any value passes here
+        hints = {}
     return {f.name: hints.get(f.name, object) for f in dataclasses.fields(op)}
 
 

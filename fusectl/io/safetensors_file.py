@@ -69,17 +69,14 @@ def _parse_header(path: str, raw: bytes, data_size: int, data_start: int):
             f"{path}: the header is not a JSON object padded with spaces (it starts with "
             f"{raw[:12]!r}, ends with {raw[-12:]!r}); the file is corrupt or not safetensors"
         )
+    entries = _Entries(path, data_start, data_size)
     try:
-        header = load_json(body, path, "the header", object_pairs_hook=_entries_as_tuples)
+        header = load_json(body, path, "the header", object_pairs_hook=entries.from_pairs)
     except _DuplicateKey as e:
         raise CheckpointError(f"{path}: the header names {quote(str(e))} twice; the file is corrupt") from None
-    if type(header) is tuple:  # a header of three tensors named like an entry's fields
-        header = dict(zip(_ENTRY_KEYS, header))
     if type(header) is not dict:
         raise CheckpointError(f"{path}: the header is not a JSON object; the file is corrupt")
     metadata = header.pop("__metadata__", None)
-    if type(metadata) is tuple:
-        metadata = dict(zip(_ENTRY_KEYS, metadata))
     if metadata is None:
         metadata = {}
     elif type(metadata) is not dict or not all(type(k) is str and type(v) is str for k, v in metadata.items()):
@@ -87,92 +84,136 @@ def _parse_header(path: str, raw: bytes, data_size: int, data_start: int):
     check_limit("tensors", len(header), path)
     if b"\\u" in raw:  # only a \u escape can make a lone surrogate, which is not UTF-8
         _check_encodable(path, header, metadata)
-    name_chars = limit("name-bytes") // 4  # a name this short fits the budget in any UTF-8
-    dims = limit("dims")
-    specs: dict[tuple, tuple[TensorSpec, int]] = {}
-    tensors: dict[str, FileTensor] = {}
-    begins: list[int] = []
-    ends: list[int] = []
+    # the parser's hook made the usual entries FileTensors; the rest are checked by name here
     for name, entry in header.items():
-        if type(entry) is tuple:
-            dtype_name, shape, offsets = entry
-        elif type(entry) is dict and len(entry) == 3 and all(k in entry for k in _ENTRY_KEYS):
-            dtype_name, shape, offsets = (entry[k] for k in _ENTRY_KEYS)
-        else:
-            raise CheckpointError(f"{_where(path, name)}: entry must have exactly dtype, shape and data_offsets")
-        if len(name) > name_chars:
+        if type(entry) is not FileTensor:
+            header[name] = entries.named(name, entry)
+    if header and max(map(len, header)) > limit("name-bytes") // 4:  # shorter fits in any UTF-8
+        for name in header:
             check_limit("name-bytes", len(name.encode()), _where(path, name, 80))
-        if type(shape) is not list or len(shape) > dims:
-            if type(shape) is list:
-                check_limit("dims", len(shape), _where(path, name))
-            raise CheckpointError(f"{_where(path, name)}: shape {_short(shape)} is not a list of whole numbers")
+    _check_tiling(path, header, data_start, data_size)
+    return header, metadata
+
+
+class _Entries:
+    """Turns header entries into FileTensors, checking each one as the safetensors library
+    does, and within fusectl's ``dims`` budget.
+
+    ``from_pairs`` is the JSON parser's hook for every object: an entry spelled in the usual
+    order becomes a FileTensor as soon as it is parsed (its lists are freed at once, and no
+    dict is built for it); anything else becomes a dict, with a key given twice refused (the
+    library refuses a repeated field). ``named`` then checks what is left, with the tensor's
+    name for the error.
+    """
+
+    def __init__(self, path: str, data_start: int, data_size: int):
+        self.path, self.data_start, self.data_size = path, data_start, data_size
+        self.dims = limit("dims")
+        self.specs: dict[tuple, tuple[TensorSpec, int]] = {}  # tensors of one shape share a spec
+
+    def from_pairs(self, pairs: list[tuple[str, object]]):
+        if len(pairs) == 3:
+            (k0, dtype_name), (k1, shape), (k2, offsets) = pairs
+            if k0 == "dtype" and k1 == "shape" and k2 == "data_offsets":
+                tensor = self.tensor(dtype_name, shape, offsets)
+                if tensor is not None:
+                    return tensor
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise _DuplicateKey(key)
+                seen.add(key)
+        return out
+
+    def named(self, name: str, entry: object) -> FileTensor:
+        """The entry of tensor ``name`` as a FileTensor, or the CheckpointError that says what is wrong."""
+        if type(entry) is not dict or len(entry) != 3 or not all(k in entry for k in _ENTRY_KEYS):
+            raise CheckpointError(f"{_where(self.path, name)}: entry must have exactly dtype, shape and data_offsets")
+        return self.tensor(*(entry[k] for k in _ENTRY_KEYS), name=name)
+
+    def tensor(self, dtype_name: object, shape: object, offsets: object, name: str | None = None):
+        """A FileTensor for a valid entry; for an invalid one, None when ``name`` is None (the
+        parser's hook: the entry is reported later, by name), else a CheckpointError."""
+        if type(shape) is not list or len(shape) > self.dims:
+            if name is not None and type(shape) is list:
+                check_limit("dims", len(shape), _where(self.path, name))
+            return self._refuse(name, lambda: f"shape {_short(shape)} is not a list of whole numbers")
         for d in shape:
             if type(d) is not int or not 0 <= d <= _DIM_MAX:
-                raise CheckpointError(
-                    f"{_where(path, name)}: shape {_short(shape)} is not a list of whole numbers "
-                    f"from 0 to 2**63-1"
-                )
+                return self._refuse(name, lambda: f"shape {_short(shape)} is not a list of whole numbers "
+                                                  "from 0 to 2**63-1")
         if type(offsets) is not list or len(offsets) != 2:
-            raise CheckpointError(f"{_where(path, name)}: data_offsets {_short(offsets)} must be [begin, end]")
+            return self._refuse(name, lambda: f"data_offsets {_short(offsets)} must be [begin, end]")
         begin, end = offsets
         if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-            raise CheckpointError(f"{_where(path, name)}: data_offsets {_short(offsets)} must be [begin, end]")
+            return self._refuse(name, lambda: f"data_offsets {_short(offsets)} must be [begin, end]")
         key = (dtype_name, tuple(shape)) if type(dtype_name) is str else None
-        known = specs.get(key)
+        known = self.specs.get(key)
         if known is None:
-            spec = _spec(dtypes.from_safetensors(dtype_name, _where(path, name)), key[1], _where(path, name))
-            known = specs[key] = (spec, spec.nbytes)
+            if name is None:  # a new spec: let the named pass say what is wrong with it
+                try:
+                    known = self._spec(dtype_name, shape, "")
+                except CheckpointError:
+                    return None
+            else:
+                known = self._spec(dtype_name, shape, _where(self.path, name))
+            self.specs[key] = known
         spec, nbytes = known
-        if end > data_size:
-            raise CheckpointError(
-                f"{_where(path, name)}: data_offsets [{begin}, {end}] lie outside the file's "
-                f"{data_size} data bytes; the file is truncated or corrupt"
-            )
+        if end > self.data_size:
+            return self._refuse(name, lambda: f"data_offsets [{begin}, {end}] lie outside the file's "
+                                              f"{self.data_size} data bytes; the file is truncated or corrupt")
         if end - begin != nbytes:
-            raise CheckpointError(
-                f"{_where(path, name)}: {spec} needs {nbytes} bytes but data_offsets span {end - begin}"
-            )
-        tensors[name] = FileTensor(spec, ByteRange(path, data_start + begin, nbytes))
-        begins.append(begin)
-        ends.append(end)
-    _check_tiling(path, list(tensors), begins, ends, data_size)
-    return tensors, metadata
+            return self._refuse(name, lambda: f"{spec} needs {nbytes} bytes but data_offsets span {end - begin}")
+        return FileTensor(spec, ByteRange(self.path, self.data_start + begin, nbytes))
 
+    def _refuse(self, name: str | None, message) -> None:
+        if name is not None:
+            raise CheckpointError(f"{_where(self.path, name)}: {message()}")
+        return None
 
-def _spec(dtype: dtypes.DType, shape: tuple[int, ...], where: str) -> TensorSpec:
-    """The spec of a header entry, refused where the safetensors library refuses it: a size
-    past 2**64 bits at any step of the product, or a whole that is not a number of bytes."""
-    size = dtype.bits
-    for d in shape:
-        size *= d
-        if size > _USIZE_MAX:
-            raise CheckpointError(f"{where}: shape {list(shape)} of {dtype} is too large to be stored; "
+    @staticmethod
+    def _spec(dtype_name: object, shape: list[int], where: str) -> tuple[TensorSpec, int]:
+        """The spec of an entry, refused where the safetensors library refuses it: a size
+        past 2**64 bits at any step of the product, or a whole that is not a number of bytes."""
+        dtype = dtypes.from_safetensors(dtype_name, where)
+        size = dtype.bits
+        for d in shape:
+            size *= d
+            if size > _USIZE_MAX:
+                raise CheckpointError(f"{where}: shape {_short(shape)} of {dtype} is too large to be stored; "
+                                      "the file is corrupt")
+        if size % 8:
+            raise CheckpointError(f"{where}: {dtype}{shape} is {size} bits, not a whole number of bytes; "
                                   "the file is corrupt")
-    if size % 8:
-        raise CheckpointError(f"{where}: {dtype}{list(shape)} is {size} bits, not a whole number of bytes; "
-                              "the file is corrupt")
-    return TensorSpec(dtype, shape)
+        spec = TensorSpec(dtype, tuple(shape))
+        return spec, spec.nbytes
 
 
-def _check_tiling(path: str, names: list[str], begins: list[int], ends: list[int], data_size: int) -> None:
-    """The spans, sorted by (begin, end), must follow one another from 0 to ``data_size``."""
+def _check_tiling(path: str, tensors: dict[str, FileTensor], data_start: int, data_size: int) -> None:
+    """The tensors' byte spans, sorted by (begin, end), must follow one another from the data
+    section's first byte to its last, as the safetensors library requires."""
     end = 0
-    if names:
-        begin_at = np.array(begins, dtype=np.uint64)
-        end_at = np.array(ends, dtype=np.uint64)
+    if tensors:
+        count = len(tensors)
+        begin_at = np.fromiter((t.location.offset for t in tensors.values()), np.int64, count) - data_start
+        end_at = begin_at + np.fromiter((t.location.length for t in tensors.values()), np.int64, count)
         order = np.lexsort((end_at, begin_at))
         begin_at, end_at = begin_at[order], end_at[order]
+        names = None
         if begin_at[0] != 0:
-            first = names[order[0]]
+            names = list(tensors)
             raise CheckpointError(
-                f"{_where(path, first)}: the first tensor's data begins at byte {int(begin_at[0])}, not 0; "
-                "the header does not describe the data section — the file is corrupt"
+                f"{_where(path, names[order[0]])}: the first tensor's data begins at byte {int(begin_at[0])}, "
+                "not 0; the header does not describe the data section — the file is corrupt"
             )
         broken = np.flatnonzero(begin_at[1:] != end_at[:-1])
         if broken.size:
+            names = list(tensors)
             k = int(broken[0])
             a, b = names[order[k]], names[order[k + 1]]
-            how = "overlap" if begin_at[k + 1] < end_at[k] else "leave a gap"
+            how = "overlap" if begin_at[k + 1] < end_at[k] else "leave a gap between them"
             raise CheckpointError(
                 f"{path}: tensors {quote(a)} (bytes {int(begin_at[k])}..{int(end_at[k])}) and {quote(b)} "
                 f"(bytes {int(begin_at[k + 1])}..{int(end_at[k + 1])}) {how}; the file is corrupt"
@@ -213,24 +254,6 @@ class _DuplicateKey(Exception):
 
 
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
-
-
-def _entries_as_tuples(pairs):
-    """The JSON parser's hook for every object: an entry spelled in the usual order becomes
-    the tuple (dtype, shape, data_offsets), about half the cost of a dict; any other object a
-    dict, with a key given twice refused (the safetensors library refuses a repeated field)."""
-    if len(pairs) == 3:
-        (k0, v0), (k1, v1), (k2, v2) = pairs
-        if k0 == "dtype" and k1 == "shape" and k2 == "data_offsets":
-            return v0, v1, v2
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _DuplicateKey(key)
-            seen.add(key)
-    return out
 
 
 def header_bytes(entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]) -> bytes:
