@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, printable, quote
-from ..limits import check_limit, load_json, open_input
+from ..limits import check_limit
+from .untrusted import load_json, open_input
 from ..table import ParamTable
 from ..tensors import LazyTensor
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases

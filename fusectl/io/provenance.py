@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from .. import __version__, dtypes
 from ..errors import CheckpointError, FusectlError, quote
-from ..limits import MalformedJSON, check_limit, limit, load_json
+from ..limits import check_limit, limit
+from .untrusted import MalformedJSON, load_json
 from ..ops import OPS, Op
 from ..plan import Plan, Step, StepGroup, op_from_record
 from ..tensors import TensorSpec
