@@ -84,6 +84,25 @@ def _set_debug(ctx, param, value):
     return value
 
 
+def _set_follow_symlinks(ctx, param, value):
+    if value:
+        ctx.find_root().meta["fusectl.follow_symlinks"] = True
+    return value
+
+
+links_option = click.option(
+    "--follow-symlinks", is_flag=True, expose_value=False, callback=_set_follow_symlinks,
+    help="Follow links in an input folder that lead outside it (by default only links inside the "
+         "folder, or inside its Hugging Face cache repository, are followed).",
+)
+
+
+def _open(path: str, config_path: str | None = None) -> Checkpoint:
+    """open_checkpoint with the command line's --follow-symlinks."""
+    follow = bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
+    return open_checkpoint(path, config_path, allow_outside_links=follow)
+
+
 debug_option = click.option(
     "--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
     help="Show a Python traceback on errors.",
@@ -140,7 +159,7 @@ def _forward_plan(ckpt, rules, config_path, untie, adopt,
     """Open CKPT and bind RULES to it: the checkpoint, the plan and the resulting table."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    c = open_checkpoint(ckpt, config_path)
+    c = _open(ckpt, config_path)
     rulesets = _load_rulesets(c, rules)
     plan, result = make_plan(_prepared_table(c, rulesets, adopt, write_ties_once), rulesets, untie)
     return c, plan, result
@@ -186,6 +205,7 @@ write_once_option = click.option(
 
 
 @command(main, "inspect")
+@links_option
 @click.argument("ckpt", type=click.Path())
 @json_option
 @click.option("--detect-ties", "detect", is_flag=True,
@@ -198,7 +218,7 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     Example:
       fusectl inspect fixtures/tied-embeddings.safetensors --json
     """
-    c = open_checkpoint(ckpt, config_path)
+    c = _open(ckpt, config_path)
     report = {
         "format": c.format,
         "files": c.files,
@@ -269,6 +289,7 @@ def _plan_json(plan: Plan, result: ParamTable) -> dict:
 
 
 @command(main, "plan")
+@links_option
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @json_option
@@ -336,6 +357,7 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
 
 
 @command(main, "fuse")
+@links_option
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @with_output_options
@@ -358,6 +380,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 
 
 @command(main, "unfuse")
+@links_option
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @with_output_options
@@ -373,7 +396,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
       fusectl unfuse fused/ -o restored/
     """
     started = time.monotonic()
-    c = open_checkpoint(ckpt, config_path)
+    c = _open(ckpt, config_path)
     if rules:
         rulesets = [invert_ruleset(r) for r in reversed(_load_rulesets(c, rules))]
         plan, result = make_plan(_prepared_table(c, rulesets, False, write_ties_once), rulesets, untie)
@@ -391,6 +414,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 
 
 @command(main, "map")
+@links_option
 @click.argument("ckpt", type=click.Path())
 @click.argument("graph", type=click.Path())
 @json_option
@@ -408,7 +432,7 @@ def map_cmd(ckpt, graph, as_json, config_path):
     from .onnx.graph import initializer_views, load_model
     from .onnx.namemap import map_names
 
-    c = open_checkpoint(ckpt, config_path)
+    c = _open(ckpt, config_path)
     readers, specs = initializer_views(load_model(graph))
     result = map_names(c.table, readers, specs)
     if as_json:
@@ -433,6 +457,7 @@ def map_cmd(ckpt, graph, as_json, config_path):
 
 
 @command(main, "export")
+@links_option
 @click.argument("ckpt", type=click.Path())
 @click.option("--graph", "graph", required=True, type=click.Path(dir_okay=False),
               help="ONNX graph exported from the model with the unfused layout.")
@@ -455,7 +480,7 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
     """
     from .onnx.export import export_model
 
-    report = export_model(open_checkpoint(ckpt, config_path), graph, out, force=force, on_note=_note)
+    report = export_model(_open(ckpt, config_path), graph, out, force=force, on_note=_note)
     if as_json:
         _emit_json(report.__dict__)
     else:
@@ -557,6 +582,7 @@ class SeedType(click.ParamType):
 
 
 @command(main, "verify")
+@links_option
 @click.argument("reference", type=click.Path())
 @click.argument("candidate", type=click.Path())
 @rules_option
@@ -625,8 +651,8 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
         used = [o for o, v in (("--input", input_shapes), ("--dim", dims), ("--inputs", inputs_file)) if v]
         if used:
             _fail(ctx, f"{used[0]} applies to two .onnx models; with checkpoints, verify makes its own inputs")
-        ref = open_checkpoint(reference, config_path)
-        cand = open_checkpoint(candidate, config_path)
+        ref = _open(reference, config_path)
+        cand = _open(candidate, config_path)
         rulesets = _load_rulesets(ref, rules)
         check_report_destinations(destinations, [*ref.input_paths(), *cand.input_paths(), *named])
         report = verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider,

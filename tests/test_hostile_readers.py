@@ -778,3 +778,29 @@ def test_a_provenance_spec_with_more_than_64_dims_is_refused(tmp_path, fused):
         return json.dumps(doc)
     src, path = _edited(tmp_path, fused, edit)
     refuse(["inspect", path], "fused.safetensors", "FUSECTL_MAX_DIMS", inputs=src)
+
+
+@pytest.mark.parametrize("command", ["inspect", "fuse", "verify"])
+def test_follow_symlinks_lets_a_user_allow_links_out_of_the_folder(tmp_path, command):
+    """A tokenizer linked from elsewhere (a secret in the real report): refused by every
+    command that opens the folder, unless --follow-symlinks says the user means it."""
+    src = tmp_path / "model"
+    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("HF_TOKEN=hf_xxx\n")
+    os.symlink(secret, src / "tokenizer.json")
+    out = tmp_path / "out"
+    candidate = tmp_path / "candidate"
+    if command == "verify":
+        ok(run_cli("fuse", src, "-r", "llama-qkv", "-o", candidate, "--quiet", "--follow-symlinks"))
+    args = {"inspect": ["inspect", src], "fuse": ["fuse", src, "-r", "llama-qkv", "-o", out, "--quiet"],
+            "verify": ["verify", src, candidate]}[command]
+    refused = run_cli(*args)
+    assert refused.exit_code == 2, refused.output
+    assert "tokenizer.json" in refused.stderr and str(secret) in refused.stderr
+    assert "--follow-symlinks" in refused.stderr
+    assert not out.exists()
+    allowed = run_cli(*args, "--follow-symlinks")
+    assert allowed.exit_code == 0, allowed.output
+    if command == "fuse":
+        assert (out / "tokenizer.json").read_text() == "HF_TOKEN=hf_xxx\n"
