@@ -8,7 +8,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ComputeError, OutputError
+from .errors import ComputeError, OutputError, quote
 from .io.checkpoint import Companion
 from .io.output import atomic_output, open_writer, output_kind, plan_shards
 from .io.provenance import METADATA_KEY, Provenance
@@ -55,7 +55,8 @@ class Materializer:
     def _compute(self, computation: Computation) -> list[np.ndarray]:
         arrays = [self.array(t) for t in computation.inputs]
         try:
-            outputs = computation.op.apply(arrays)
+            with np.errstate(all="ignore"):  # overflow is found below and reported as an error
+                outputs = computation.op.apply(arrays)
         except ComputeError as e:
             raise ComputeError(f"{computation.label}: {e}") from None
         for array, spec in zip(outputs, computation.output_specs, strict=True):
@@ -63,7 +64,28 @@ class Materializer:
                 raise ComputeError(
                     f"{computation.label}: produced {array.dtype}{list(array.shape)}, planned {spec}"
                 )
+        if not computation.op.exact:
+            _check_finite(computation, arrays, outputs)
         return outputs
+
+
+def _check_finite(computation: Computation, inputs, outputs) -> None:
+    """A numeric step never writes NaN or infinity: from finite inputs that means the result
+    overflowed the stored dtype (gamma 3e38 over a zero variance), else the inputs hold them."""
+    bad = sum(int(np.count_nonzero(~np.isfinite(a))) for a in outputs if a.dtype.kind in "fcV" and a.size)
+    if not bad:
+        return
+    broken = [f"{quote(name)} ({int(np.count_nonzero(~np.isfinite(a)))} non-finite)"
+              for name, a in zip(computation.input_names, inputs)
+              if a.dtype.kind in "fcV" and a.size and not np.all(np.isfinite(a))]
+    if broken:
+        raise ComputeError(f"{computation.label}: the inputs hold NaN or infinity: {', '.join(broken)}; "
+                           "the checkpoint is damaged — fix or re-download it")
+    raise ComputeError(
+        f"{computation.label}: the result has {bad} NaN or infinite value(s) although every input is "
+        f"finite: it overflows {computation.output_specs[0].dtype}. The inputs are out of range for this "
+        "fold (a huge scale over a near-zero norm or variance); check them"
+    )
 
 
 @dataclass(frozen=True)

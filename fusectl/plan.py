@@ -94,6 +94,7 @@ class Computation:
     inputs: tuple[LazyTensor, ...]
     output_specs: tuple[TensorSpec, ...]
     label: str
+    input_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,7 +197,7 @@ class Planner:
                 outputs = done[key]
             else:
                 label = f"{group.describe()}: {_roles(step)}"
-                computation = Computation(step.op, sources, step.output_specs, label)
+                computation = Computation(step.op, sources, step.output_specs, label, step.inputs)
                 outputs = tuple(
                     ComputedTensor(spec, computation, k) for k, spec in enumerate(step.output_specs)
                 )

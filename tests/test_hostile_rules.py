@@ -102,3 +102,61 @@ def test_an_output_name_past_the_name_budget_is_refused(cli, ckpt, tmp_path):
     out = tmp_path / "out.npz"
     refused(cli("fuse", ckpt, "-r", rules, "-o", out), "FUSECTL_MAX_NAME_BYTES")
     assert not out.exists()
+
+
+def _bn_checkpoint(path, gamma, var):
+    c = 4
+    write_safetensors(path, {
+        "conv.weight": np.ones((c, 2, 3, 3), np.float32), "conv.bias": np.zeros(c, np.float32),
+        "bn.weight": np.full(c, gamma, np.float32), "bn.bias": np.zeros(c, np.float32),
+        "bn.running_mean": np.zeros(c, np.float32), "bn.running_var": np.full(c, var, np.float32),
+    })
+
+
+BN_RULES = """
+version = 1
+[[rule]]
+op = "bn_fold"
+weight = "conv.weight"
+bias = "conv.bias"
+gamma = "bn.weight"
+beta = "bn.bias"
+mean = "bn.running_mean"
+var = "bn.running_var"
+output_weight = "conv.weight"
+output_bias = "conv.bias"
+"""
+
+
+def test_a_fold_that_overflows_float32_is_refused_not_written(cli, tmp_path):
+    """gamma 3e38 over a zero variance: 3e38 / sqrt(1e-5) is past float32's range (the report
+    saw 54 NaN and 18 inf written with exit 0)."""
+    path = tmp_path / "in" / "bn.safetensors"
+    path.parent.mkdir()
+    _bn_checkpoint(path, 3e38, 0.0)
+    out = tmp_path / "out.safetensors"
+    before = snapshot(path.parent)
+    result = refused(cli("fuse", path, "-r", write_rules(tmp_path / "r.toml", BN_RULES), "-o", out),
+                     "although every input is finite", "overflows F32", "conv.weight")
+    assert not out.exists() and leftovers(tmp_path) == [] and snapshot(path.parent) == before
+    assert result.exit_code == 2
+
+
+def test_weight_norm_with_a_huge_g_over_a_tiny_v_is_refused(cli, tmp_path):
+    path = tmp_path / "in" / "wn.safetensors"
+    path.parent.mkdir()
+    write_safetensors(path, {"l.weight_g": np.full((3, 1), 3e38, np.float32),
+                             "l.weight_v": np.full((3, 4), 1e-18, np.float32)})
+    out = tmp_path / "out.safetensors"
+    refused(cli("fuse", path, "-r", "weight-norm-fold", "-o", out), "overflows F32", "l.weight")
+    assert not out.exists()
+
+
+def test_a_fold_over_inputs_that_hold_nan_names_them(cli, tmp_path):
+    path = tmp_path / "in" / "bn.safetensors"
+    path.parent.mkdir()
+    _bn_checkpoint(path, float("nan"), 1.0)
+    out = tmp_path / "out.safetensors"
+    refused(cli("fuse", path, "-r", write_rules(tmp_path / "r.toml", BN_RULES), "-o", out),
+            "'bn.weight' (4 non-finite)", "damaged")
+    assert not out.exists()
