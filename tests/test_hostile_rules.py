@@ -160,3 +160,16 @@ def test_a_fold_over_inputs_that_hold_nan_names_them(cli, tmp_path):
     refused(cli("fuse", path, "-r", write_rules(tmp_path / "r.toml", BN_RULES), "-o", out),
             "'bn.weight' (4 non-finite)", "damaged")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('op = ["drop"]\ninput = "w"', "op must be a string"),
+    ('op = "reorder"\ninput = "w"\noutput = "x"\norder = [0]\nchunks = ' + "9" * 5000, "integer is too long"),
+    ('op = "transpose"\ninput = "w"\noutput = "x"\nperm = [1, 99999999999999999999]', "64 bits"),
+    ('op = "bn_fold"\nweight = "w"\ngamma = "g"\nbeta = "b"\nmean = "m"\nvar = "v"\noutput_weight = "w"\n'
+     'output_bias = "b2"\neps = inf', "expected a finite number"),
+    ("a = " + "[" * 100_000 + "]" * 100_000, "nest too deeply"),
+])
+def test_malformed_values_in_a_rules_file_are_rule_errors(cli, ckpt, tmp_path, line, needle):
+    rules = write_rules(tmp_path / "bad.toml", f"version = 1\n[[rule]]\n{line}\n")
+    refused(cli("plan", ckpt, "-r", rules), "bad.toml", needle)

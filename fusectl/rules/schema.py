@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from typing import Mapping
@@ -10,7 +11,7 @@ from typing import Mapping
 from ..errors import RuleError
 from ..ops import OPS, Op
 from .patterns import Pattern
-from .variables import evaluate, resolve_variables
+from .variables import checked_integer, evaluate, resolve_variables
 
 _TOP_KEYS = {"version", "description", "vars", "ties", "rule"}
 _RULE_KEYS = {"name", "op", "optional", "over"}
@@ -57,6 +58,8 @@ def load_rules(
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RuleError(f"{source}: not valid TOML: {e}") from e
+    except ValueError as e:  # an integer literal past Python's 4,300-digit conversion limit
+        raise RuleError(f"{source}: an integer is too long to read ({e}); sizes and counts fit in 64 bits") from e
     except RecursionError:  # tomllib recurses once per nested array or inline table
         raise RuleError(f"{source}: arrays or tables nest too deeply to read; a rules file "
                         "needs a few levels at most") from None
@@ -87,7 +90,7 @@ class _LazyVariables:
 
     def value(self, expression: object, where: str) -> int:
         if type(expression) is int:
-            return expression
+            return checked_integer(expression, where)
         if not isinstance(expression, str):
             raise RuleError(f"{where}: {expression!r} must be an integer or a var name")
         if self._values is None:
@@ -137,6 +140,8 @@ def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) 
     if not isinstance(raw, dict):
         raise RuleError(f"{where}: a [[rule]] must be a table")
     kind = raw.get("op")
+    if "op" in raw and not isinstance(kind, str):
+        raise RuleError(f"{where}: op must be a string naming one of {', '.join(sorted(OPS))}, not {kind!r}")
     name = raw.get("name", f"#{index} {kind}")
     if not isinstance(name, str):
         raise RuleError(f"{where}: name must be a string")
@@ -300,8 +305,8 @@ def _convert(value, annotation: str, variables: _LazyVariables, where: str):
             raise RuleError(f"{where}: expected a string, got {value!r}")
         return value
     if text == "float":
-        if type(value) not in (int, float):
-            raise RuleError(f"{where}: expected a number, got {value!r}")
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise RuleError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if text == "int | str":  # an integer, or a keyword such as "auto" / "none"
         if type(value) is not int and not isinstance(value, str):
