@@ -1,0 +1,414 @@
+"""Fuzz: malformed checkpoints, indexes, configs, provenances and rules files, from a seed.
+
+Every case checks the bad-input contract: exit 0 or 2; on 2 an ``error:`` line that names the
+file; never "internal error"; no hang (a per-case timeout); no output or temporary file left;
+the input unchanged; and never laxer than the safetensors library (a file it rejects is not
+read). The default run makes a few hundred cases; set ``FUSECTL_FUZZ_CASES`` (per family) and
+``FUSECTL_FUZZ_SEED`` for a longer or another run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import safetensors
+
+from conftest import leftovers, run_cli, snapshot
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+CASES = int(os.environ.get("FUSECTL_FUZZ_CASES", "60"))
+SEED = int(os.environ.get("FUSECTL_FUZZ_SEED", "0"))
+TIMEOUT_S = 20
+# Python refuses to convert integers of more than 4,300 digits to or from text, so a huge
+# integer is written into the JSON text by replacing this marker
+HUGE = "__huge_integer__"
+
+
+DEEP = "__deep_{}__"  # and JSON nested that deep, which json.dumps itself cannot write
+
+
+def dumps(doc) -> str:
+    text = json.dumps(doc).replace(f'"{HUGE}"', "9" * 5000)
+    for depth in (300, 3000, 100_000):
+        text = text.replace(f'"{DEEP.format(depth)}"', "[" * depth + "1" + "]" * depth)
+    return text
+
+
+class CaseTimeout(BaseException):
+    """Raised by the alarm: a BaseException, so no error handler can swallow it."""
+
+
+@contextmanager
+def time_limit(seconds: int):
+    def on_alarm(signum, frame):
+        raise CaseTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_contract(args, *, culprit: Path, inputs: Path, out: Path | None, rejected_by_library=False,
+                   also_named: tuple[str, ...] = ()):
+    """Run fusectl ARGS and check the contract; returns the result. An error must name the
+    culprit file or its folder, or one of ``also_named`` (e.g. the rule a config value broke)."""
+    before = snapshot(inputs)
+    try:
+        with time_limit(TIMEOUT_S):
+            result = run_cli(*args)
+    except CaseTimeout:
+        pytest.fail(f"fusectl {' '.join(map(str, args))} did not finish in {TIMEOUT_S} s")
+    where = f"fusectl {' '.join(map(str, args))}\n{result.stderr}"
+    assert result.exit_code in (0, 2), where
+    assert "internal error" not in result.stderr and "Traceback" not in result.output, where
+    assert "[escaped exception" not in result.stderr, where
+    if result.exit_code == 2:
+        first = result.stderr.splitlines()[0] if result.stderr else ""
+        assert first.startswith("error: "), where
+        named = {culprit.name, str(culprit), str(inputs), *also_named}
+        assert any(n in result.stderr for n in named), f"the error does not name {culprit.name}: {where}"
+        if out is not None:
+            assert not out.exists(), where
+    if rejected_by_library:
+        assert result.exit_code == 2, f"safetensors rejects {culprit.name} but fusectl read it: {where}"
+    if out is not None:
+        assert leftovers(out.parent) == [], where
+    assert snapshot(inputs) == before, f"the input changed: {where}"
+    return result
+
+
+# ------------------------------------------------------------------------- safetensors files
+
+
+def _split(data: bytes):
+    (n,) = struct.unpack("<Q", data[:8])
+    return n, data[8 : 8 + n], data[8 + n :]
+
+
+def _json_mutation(rng: random.Random, header: dict) -> dict:
+    names = [k for k in header if k != "__metadata__"]
+    name = rng.choice(names)
+    entry = dict(header[name])
+    choice = rng.randrange(14)
+    if choice == 0:
+        entry["dtype"] = rng.choice(["F33", "", "f32", ["F32"], 7, None, "BF16", "F8_E4M3", "I64", "U8"])
+    elif choice == 1:
+        entry["shape"] = rng.choice([[-1], [2**63], [10**30], "32", [1.5], [True], [], [0], [2**40, 2**40],
+                                     [1] * 200, None, [[2]]])
+    elif choice == 2:
+        b, e = entry["data_offsets"]
+        entry["data_offsets"] = rng.choice([[b, e + 1], [b - 1, e], [b + 1, e + 1], [e, b], [b, b],
+                                            [b, 10**20], [-8, e], [b, e, e], "0", [float(b), e], [b, None]])
+    elif choice == 3:
+        entry["extra"] = 1
+    elif choice == 4:
+        del entry[rng.choice(list(entry))]
+    elif choice == 5:
+        header = dict(header)
+        header["__metadata__"] = rng.choice([{"a": 1}, ["x"], "s", {"format": {"pt": 1}}, None, {}, {"fusectl": "{"}])
+        return header
+    elif choice == 6:
+        header = dict(header)
+        header[rng.choice(["\x00", "a" * 5000, "__metadata__.x", "", "\x1b[31mred"])] = entry
+        return header
+    elif choice == 7:
+        header = dict(header)
+        del header[name]  # leaves a gap in the data section
+        return header
+    elif choice == 8:
+        other = rng.choice(names)
+        entry["data_offsets"] = list(header[other]["data_offsets"])  # overlap another tensor
+    elif choice == 9:
+        return rng.choice([[], "x", 3, None, {"a": []}])
+    elif choice == 10:
+        header = dict(header)
+        header[name] = DEEP.format(rng.choice([300, 3000, 100_000]))
+        return header
+    elif choice == 11:
+        entry["shape"] = [rng.choice([10**20 - 1, 10**400 - 1, HUGE])]
+    elif choice == 12:
+        entry = rng.choice([[], "x", None, 1])
+    else:
+        entry["dtype"] = rng.choice(["F16", "F64", "I8", "BOOL"])
+    header = dict(header)
+    header[name] = entry
+    return header
+
+
+def _mutate_safetensors(rng: random.Random, data: bytes) -> bytes:
+    n, raw, body = _split(data)
+    kind = rng.randrange(9)
+    if kind == 0:  # truncate anywhere
+        return data[: rng.randrange(len(data))]
+    if kind == 1:  # header length off by a little
+        delta = rng.choice([-8, -3, -1, 1, 2, 7, 8, 2**40, -n])
+        return struct.pack("<Q", max(0, n + delta) % 2**64) + data[8:]
+    if kind == 2:  # flip bytes inside the header
+        raw = bytearray(raw)
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        return struct.pack("<Q", n) + bytes(raw) + body
+    if kind == 3:  # trailing bytes after the data
+        return data + bytes(rng.randint(1, 64))
+    if kind == 4:  # invalid UTF-8 or NUL in the header
+        raw = bytearray(raw)
+        raw[rng.randrange(len(raw))] = rng.choice([0x00, 0xFF, 0xC3])
+        return struct.pack("<Q", n) + bytes(raw) + body
+    if kind == 5:  # non-JSON literals
+        text = raw.decode("utf-8", "replace").replace("[", "[NaN,", 1) if rng.random() < 0.5 else "Infinity"
+        new = text.encode()
+        return struct.pack("<Q", len(new)) + new + body
+    header = json.loads(raw)
+    new = dumps(_json_mutation(rng, header)).encode()
+    if rng.random() < 0.3:
+        new += b" " * rng.randrange(1, 16)  # padding the format allows
+    return struct.pack("<Q", len(new)) + new + body
+
+
+def _library_rejects(path: Path) -> bool:
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():
+                f.get_slice(key)
+    except Exception:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_fuzzed_safetensors_file(tmp_path, case):
+    rng = random.Random(f"{SEED}-file-{case}")
+    src = tmp_path / "in"
+    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(_mutate_safetensors(rng, weights.read_bytes()))
+    rejected = _library_rejects(weights)
+    check_contract(["inspect", src, "--json"], culprit=weights, inputs=src, out=None, rejected_by_library=rejected)
+    out = tmp_path / "out"
+    check_contract(["fuse", src, "-r", "llama-qkv", "-o", out, "--quiet"],
+                   culprit=weights, inputs=src, out=out, rejected_by_library=rejected)
+
+
+# --------------------------------------------------------------------------------- indexes
+
+
+def _mutate_index(rng: random.Random, index: dict) -> object:
+    weight_map = dict(index["weight_map"])
+    name = rng.choice(sorted(weight_map))
+    choice = rng.randrange(10)
+    if choice == 0:
+        weight_map[name] = rng.choice(["missing.safetensors", "../model.safetensors", "/etc/passwd", "", 3, None,
+                                       "model-00001-of-00003.safetensors/../x"])
+    elif choice == 1:
+        del weight_map[name]
+    elif choice == 2:
+        weight_map["ghost.weight"] = "model-00001-of-00003.safetensors"
+    elif choice == 3:
+        return {**index, "weight_map": rng.choice([[], "x", None, {}])}
+    elif choice == 4:
+        return {**index, "metadata": rng.choice([[], "x", {"fusectl": "{not json"}, {"fusectl": 3}])}
+    elif choice == 5:
+        return rng.choice([[], "x", 3, None])
+    elif choice == 6:
+        return {**index, "metadata": {"a": DEEP.format(rng.choice([300, 100_000]))}}
+    elif choice == 7:
+        return {**index, "metadata": {"total_size": HUGE}}
+    elif choice == 8:
+        other = rng.choice(sorted(set(weight_map.values())))
+        weight_map[name] = other
+    else:
+        return {"weight_map": weight_map, "metadata": {"fusectl": json.dumps({"format_version": 1, "plan": "x"})}}
+    return {**index, "weight_map": weight_map}
+
+
+@pytest.mark.parametrize("case", range(CASES // 2))
+def test_fuzzed_index(tmp_path, case):
+    rng = random.Random(f"{SEED}-index-{case}")
+    src = tmp_path / "in"
+    shutil.copytree(FIXTURES / "tiny-llama-gqa-bf16-sharded", src)
+    index = src / "model.safetensors.index.json"
+    mutated = _mutate_index(rng, json.loads(index.read_text()))
+    text = dumps(mutated) if rng.random() < 0.9 else index.read_text()[: rng.randrange(50, 500)]
+    index.write_text(text)
+    out = tmp_path / "out"
+    check_contract(["inspect", src], culprit=index, inputs=src, out=None)
+    check_contract(["fuse", src, "-r", "llama-qkv", "-o", out, "--quiet"], culprit=index, inputs=src, out=out)
+
+
+# --------------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("case", range(CASES // 2))
+def test_fuzzed_config(tmp_path, case):
+    rng = random.Random(f"{SEED}-config-{case}")
+    src = tmp_path / "in"
+    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    config = src / "config.json"
+    doc = json.loads(config.read_text())
+    key = rng.choice(["num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
+                      "tie_word_embeddings", "architectures"])
+    value = rng.choice([0, -4, "4", 4.0, None, [], {}, True, 2**70, HUGE, 3, 7, ["X"], [3]])
+    if rng.random() < 0.15:
+        value = DEEP.format(rng.choice([300, 100_000]))
+    doc[key] = value
+    text = dumps(doc) if rng.random() < 0.9 else rng.choice(["", "[", "NaN", '{"a": Infinity}', "\xff"])
+    config.write_text(text)
+    out = tmp_path / "out"
+    # a value of the right type but the wrong size surfaces where the rule that uses it fails
+    rule = ("preset llama-qkv",)
+    check_contract(["plan", src, "-r", "llama-qkv"], culprit=config, inputs=src, out=None, also_named=rule)
+    check_contract(["fuse", src, "-r", "llama-qkv", "-o", out, "--quiet"], culprit=config, inputs=src, out=out,
+                   also_named=rule)
+
+
+# ------------------------------------------------------------------------------ provenances
+
+
+@pytest.fixture(scope="module")
+def fused_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    out = root / "fused.safetensors"
+    result = run_cli("fuse", FIXTURES / "tiny-llama-gqa", "-r", "llama-qkv", "-r", "llama-gate-up", "-o", out, "--quiet")
+    assert result.exit_code == 0, result.stderr
+    return out
+
+
+def _mutate_provenance(rng: random.Random, doc: dict) -> object:
+    doc = json.loads(json.dumps(doc))
+    groups = doc["plan"]
+    group = rng.choice(groups)
+    step = rng.choice(group["steps"])
+    choice = rng.randrange(14)
+    if choice == 0:
+        step["input_specs"] = rng.choice([[[]], [["F32"]], [["F99", [1]]], [["F32", [-1]]], "x", [[["F32"], [1]]]])
+    elif choice == 1:
+        step["params"] = {k: rng.choice(["0", None, [], 1e308, -1, 2**70, {"a": 1}]) for k in step["params"]}
+    elif choice == 2:
+        step["outputs"] = rng.choice([[], [""], ["a", "a"], [None], "x", ["__metadata__"]])
+    elif choice == 3:
+        step["op"] = rng.choice(["nope", "", None, ["drop"], "drop", "reshape", "refuse"])
+    elif choice == 4:
+        step["inputs"] = rng.choice([[], ["ghost"], [None], "x"])
+    elif choice == 5:
+        doc["format_version"] = rng.choice([2, "1", None, 1.0])
+    elif choice == 6:
+        doc["aliases"] = rng.choice([[], {"a": "b"}, {"model.norm.weight": "ghost"}, "x"])
+    elif choice == 7:
+        return rng.choice([[], "x", None, 3])
+    elif choice == 8:
+        doc["plan"] = rng.choice([{}, "x", [None], [{}]])
+    elif choice == 9:
+        step["params"] = dict(step["params"], chunks=10**9, groups=10**9, axis=10**9)
+    elif choice == 10:
+        step["output_specs"] = [["F32", [10**12, 10**12]]]
+    elif choice == 11:
+        group["untied"] = rng.choice([[["x"]], "x", [[None]]])
+    elif choice == 12:
+        step["input_specs"] = [["F32", [HUGE]]]
+    else:
+        del step[rng.choice(list(step))]
+    return doc
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_fuzzed_provenance(tmp_path, fused_file, case):
+    rng = random.Random(f"{SEED}-provenance-{case}")
+    data = fused_file.read_bytes()
+    n, raw, body = _split(data)
+    header = json.loads(raw)
+    provenance = json.loads(header["__metadata__"]["fusectl"])
+    mutated = _mutate_provenance(rng, provenance)
+    text = dumps(mutated) if rng.random() < 0.9 else dumps(mutated)[: rng.randrange(1, 200)]
+    header["__metadata__"]["fusectl"] = text
+    new = json.dumps(header).encode()
+    src = tmp_path / "in"
+    src.mkdir()
+    path = src / "fused.safetensors"
+    path.write_bytes(struct.pack("<Q", len(new)) + new + body)
+    check_contract(["inspect", path], culprit=path, inputs=src, out=None)
+    out = tmp_path / "back.safetensors"
+    check_contract(["unfuse", path, "-o", out, "--quiet"], culprit=path, inputs=src, out=out)
+
+
+# ----------------------------------------------------------------------------- rules files
+
+_OPS = ["rename", "drop", "concat", "split", "interleave", "deinterleave", "stack", "unstack", "transpose",
+        "reshape", "reorder", "rope_permute", "weight_norm_fold", "weight_norm_unfold", "spectral_norm_fold",
+        "bn_fold", "refuse", "nope", ""]
+_PATTERNS = ["{p*}.layers.{i:int}.self_attn.q_proj.weight", "{p*}.layers.{i}.mlp.{x}_proj.weight",
+             "model.norm.weight", "{a*}", "{a}", "{a*}.{b*}", "{a}{b}", "x.{", "{p*}.weight", "",
+             "model.layers.{i:int}.self_attn.{x}_proj.weight", "\x00", "{i:int}.{i}", "lm_head.weight"]
+_VALUES = [0, 1, -1, 2, 3, 4, 8, 10**9, 2**63, "heads", "config:num_attention_heads", "config:nope",
+           "heads * heads", "1 // 0", "(" * 50, "-" * 1000 + "1", " * ".join(["heads"] * 3000), 1.5, True,
+           [0, 1], [1, 0], [0, 3, 1, 2], [], "auto", "none", "hf", "meta", "conv", [32, 16, 16], [-1]]
+
+
+def _toml(value) -> str:
+    return json.dumps(value)  # JSON scalars and lists of them are valid TOML
+
+
+def _random_rules(rng: random.Random) -> str:
+    lines = ["version = 1"]
+    if rng.random() < 0.5:
+        lines.append("[vars]")
+        lines.append('heads = "config:num_attention_heads"')
+        for k in range(rng.randint(0, 4)):
+            lines.append(f"v{k} = {_toml(rng.choice(_VALUES))}")
+        if rng.random() < 0.2:  # each var the square of the one before
+            lines.append("s0 = 2")
+            lines.extend(f's{k} = "s{k - 1} * s{k - 1}"' for k in range(1, rng.choice([10, 22, 40])))
+    for _ in range(rng.randint(0, 3)):
+        lines.append("[[rule]]")
+        lines.append(f"op = {_toml(rng.choice(_OPS))}")
+        for key in rng.sample(["input", "inputs", "output", "outputs", "axis", "sizes", "groups", "chunks",
+                               "order", "perm", "shape", "heads", "to", "over", "optional", "g", "v", "dim",
+                               "weight", "mean", "var", "gamma", "beta", "output_weight", "output_bias",
+                               "message", "name", "bogus"], rng.randint(1, 6)):
+            if key in ("input", "output", "g", "v", "weight", "mean", "var", "gamma", "beta", "output_weight",
+                       "output_bias"):
+                value = rng.choice(_PATTERNS)
+            elif key in ("inputs", "outputs"):
+                value = rng.sample(_PATTERNS, rng.randint(0, 3))
+            elif key == "optional":
+                value = rng.choice([True, False, "yes"])
+            elif key in ("message", "name"):
+                value = rng.choice(["x", "\x1b[2J\x07", "é" * 3])
+            else:
+                value = rng.choice(_VALUES)
+            lines.append(f"{key} = {_toml(value)}")
+    text = "\n".join(lines) + "\n"
+    if rng.random() < 0.1:
+        text = text[: rng.randrange(len(text))]
+    if rng.random() < 0.05:
+        text += "a = " + "[" * 100_000 + "]" * 100_000 + "\n"
+    return text
+
+
+@pytest.mark.parametrize("case", range(CASES * 2))
+def test_fuzzed_rules_file(tmp_path, case):
+    rng = random.Random(f"{SEED}-rules-{case}")
+    src = tmp_path / "in"
+    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    rules = src / "rules.toml"
+    rules.write_text(_random_rules(rng))
+    check_contract(["plan", src / "model.safetensors", "-r", rules, "--config", src / "config.json"],
+                   culprit=rules, inputs=src, out=None)
+    out = tmp_path / "out.safetensors"
+    result = check_contract(["fuse", src / "model.safetensors", "-r", rules, "--config", src / "config.json",
+                             "-o", out, "--quiet"], culprit=rules, inputs=src, out=out)
+    if result.exit_code == 0:  # a rules file that works is undone by its provenance, or says why not
+        back = tmp_path / "back.safetensors"
+        check_contract(["unfuse", out, "-o", back, "--quiet"], culprit=out, inputs=out, out=back,
+                       also_named=(str(rules),))
