@@ -8,6 +8,8 @@ What it measures
     resident memory (RSS) of three ways of producing an output of the same bytes:
 
       cp     ``cp -r SRC DST`` -- the speed limit: the same bytes copied, nothing re-laid out;
+      cp+sync  ``cp -r SRC DST && sync`` -- the same, on disk: fusectl fsyncs every output file
+             before renaming it into place, so this is the like-for-like baseline;
       fuse   ``fusectl fuse SRC -r llama-qkv -r llama-gate-up -o DST --quiet --force``;
       naive  ``python benchmarks/fuse_bench.py --naive SRC DST``: what a script without fusectl
              does -- read every shard wholly into memory, build a dict of all arrays (bf16 via
@@ -31,8 +33,9 @@ How it measures
     * fusectl's fixed start-up cost (``fusectl --version``: interpreter, imports) is measured too
       and printed under the table, to tell start-up from copy throughput.
     * Before each run the previous output is deleted and ``sync`` is called, so writeback of one
-      run does not bleed into the next. Runs themselves are timed without a final fsync (neither
-      ``cp`` nor fusectl fsyncs): this is page-cache throughput, the source is warm in the cache.
+      run does not bleed into the next. ``cp`` is timed without a final sync (page-cache
+      throughput, the source warm in the cache); fusectl fsyncs its output before the rename, as
+      ``cp+sync`` does with ``sync``.
     * Once per size, after the first fuse and the first naive run, the output is checked against
       the input from the safetensors headers: one layer's ``qkv_proj`` must equal concat(q, k, v)
       bytes and its ``gate_up_proj`` concat(gate, up); every other tensor must be present with the
@@ -93,7 +96,7 @@ SIZES = {
                  num_key_value_heads=8, vocab_size=1000, num_hidden_layers=4),
 }
 DEFAULT_SIZES = ["1GB", "2.4GB"]
-METHODS = ["cp", "fuse", "naive"]
+METHODS = ["cp", "cp+sync", "fuse", "naive"]
 RULES = ["llama-qkv", "llama-gate-up"]
 
 # The measuring wrapper: fork, exec, wait4. Kept tiny (run with -S -I, imports only builtins)
@@ -445,6 +448,8 @@ def measure(cmd, timeout):
 def command(method, src, dst, fusectl):
     if method == "cp":
         return ["cp", "-r", src, dst]
+    if method == "cp+sync":  # as durable as fusectl's output, which is fsynced before its rename
+        return ["sh", "-c", 'cp -r "$0" "$1" && sync', src, dst]
     if method == "fuse":
         rules = [a for r in RULES for a in ("-r", r)]
         return [fusectl, "fuse", src, *rules, "-o", dst, "--quiet", "--force"]
@@ -527,6 +532,9 @@ def summarize(runs, labels, sizes_bytes, floor_kb):
                      if (label, "naive") in med else "")
             verdict = "within" if ratio <= 1.3 else "OVER"
             lines.append(f"{label}: fuse/cp (median wall) = {ratio:.2f}x ({verdict} the 1.3x bar){naive}")
+        if (label, "cp+sync") in med and (label, "fuse") in med:
+            durable = med[label, "fuse"][0] / med[label, "cp+sync"][0]
+            lines.append(f"{label}: fuse/(cp+sync) (median wall, both durable on disk) = {durable:.2f}x")
     fused = [label for label in labels if (label, "fuse") in med]
     if len(fused) >= 2:
         lo, hi = min(fused, key=sizes_bytes.get), max(fused, key=sizes_bytes.get)

@@ -315,10 +315,23 @@ class SafetensorsWriter:
     def close(self) -> None:
         assert not self._pending, f"{len(self._pending)} tensors were never written"
         self._flush()
+        start_writeback(self._file.fileno())
         self._file.close()
 
     def abort(self) -> None:
         self._file.close()
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing a finished file to disk now, without waiting: the output
+    is fsynced before its rename, and writeback that overlaps the next file costs nothing there.
+    (Linux starts writeback of dirty pages on POSIX_FADV_DONTNEED; elsewhere this does nothing.)"""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # advice only
 
 
 def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | None) -> None:
