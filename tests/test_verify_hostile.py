@@ -22,7 +22,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import ok, snapshot
+from conftest import ok, snapshot, write_safetensors
 from fusectl.errors import VerifyError
 from fusectl.verify.compare import compare
 from fusectl.verify.model_check import verify_models
@@ -526,3 +526,19 @@ def test_the_library_takes_arrays_in_memory(tmp_path):
     model = str(_add_model(tmp_path / "m.onnx", np.array([np.inf, 0, 0, 0])))
     report = verify_models(model, model, inputs={"x": np.ones(4, np.float32)})
     assert report.passed and report.inputs[0]["source"] == "file"
+
+
+@pytest.mark.parametrize("command", ["map", "export"])
+def test_map_and_export_refuse_external_data_outside_the_model_folder(cli, tmp_path, command):
+    model = _external_model(tmp_path / "in", np.ones(4))
+    outside = tmp_path / "outside.bin"
+    shutil.copy(tmp_path / "in" / "w.bin", outside)
+    _relocate(model, "../outside.bin")
+    ckpt = tmp_path / "w.safetensors"
+    write_safetensors(ckpt, {"w": np.ones(4, np.float32)})
+    out = tmp_path / "out.onnx"
+    args = ["map", ckpt, model] if command == "map" else ["export", ckpt, "--graph", model, "-o", out]
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error:") and "ext.onnx" in result.stderr and "outside" in result.stderr
+    assert not out.exists()

@@ -11,11 +11,11 @@ from ..errors import CheckpointError, printable, quote
 
 
 def load_model(path: str):
-    """The onnx-ir model at ``path``; CheckpointError for a missing or unreadable file."""
+    """The onnx-ir model at ``path``; CheckpointError for a missing or unreadable file, or one
+    whose external data lies outside its folder."""
     import onnx_ir as ir
 
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such ONNX file")
+    external_data_files(path)  # a regular file whose external data stays in its folder
     try:
         return ir.load(path)
     except Exception as e:  # protobuf and onnx raise a variety of types for corrupt files
