@@ -10,7 +10,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,3 +201,24 @@ def _st_name(dtype) -> str:
 def write_rules(path, text: str) -> Path:
     Path(path).write_text(text)
     return Path(path)
+
+
+class CaseTimeout(BaseException):
+    """Raised by time_limit's alarm: a BaseException, so no error handler can swallow it."""
+
+
+@contextmanager
+def time_limit(seconds: int):
+    """Fail the test instead of hanging (a FIFO's open blocks forever)."""
+    def on_alarm(signum, frame):
+        raise CaseTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    except CaseTimeout:
+        pytest.fail(f"did not finish in {seconds} s")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

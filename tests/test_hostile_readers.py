@@ -14,11 +14,9 @@ import json
 import os
 import random
 import shutil
-import signal
 import stat
 import struct
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-from conftest import FIXTURES, leftovers, ok, run_cli, write_rules, write_safetensors
+from conftest import FIXTURES, leftovers, ok, run_cli, time_limit, write_rules, write_safetensors
 from fusectl.errors import CheckpointError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.io.npz_file import NpzWriter
@@ -82,27 +80,6 @@ def refuse(args, *needles, inputs: Path, out: Path | None = None):
         result = run_cli(*args)
     assert_refused(result, *needles, inputs=inputs, before=before, out=out)
     return result
-
-
-class CaseTimeout(BaseException):
-    pass
-
-
-@contextmanager
-def time_limit(seconds: int):
-    """Fail instead of hanging (a FIFO's open blocks forever)."""
-    def on_alarm(signum, frame):
-        raise CaseTimeout()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    except CaseTimeout:
-        pytest.fail(f"did not finish in {seconds} s")
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def st_file(path: Path, header_text: str | bytes, data: bytes, length: int | None = None) -> Path:

@@ -18,7 +18,7 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FusectlError, printable
 from ..limits import check_limit, limit
 
 # ------------------------------------------------------------------------------ input files
@@ -27,45 +27,57 @@ from ..limits import check_limit, limit
 _PSEUDO_ROOTS = ("/proc", "/sys")
 
 
+def is_generated(path: str) -> bool:
+    """Whether ``path`` resolves into /proc or /sys, whose files the kernel makes up as they are read."""
+    real = os.path.realpath(path)
+    return any(real == root or real.startswith(root + "/") for root in _PSEUDO_ROOTS)
+
+
+def check_regular_file(path: str, *, error: type[FusectlError] = CheckpointError,
+                       hint: str = "name the checkpoint file itself", what: str | None = None) -> os.stat_result:
+    """The stat of ``path`` when it resolves to a regular file outside /proc and /sys; ``error``
+    naming it (as ``what``, default the path) otherwise, with ``hint`` saying what to give instead.
+
+    Nothing is opened: a FIFO (whose ``open`` blocks), a device (whose ``open`` may act) or a
+    socket is refused without being touched.
+    """
+    what = what or printable(path)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{what}: no such file; {hint}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        raise error(f"{what}: cannot read it ({getattr(e, 'strerror', None) or e})") from e
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode)
+                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a file")
+        raise error(f"{what}: is {kind}, not a regular file; fusectl reads only regular files — {hint}")
+    if is_generated(path):
+        raise error(f"{what}: resolves to {printable(os.path.realpath(path))}, not a regular file "
+                    f"but one the kernel generates; fusectl never reads /proc or /sys — {hint}")
+    return info
+
+
 def open_input(path: str) -> BinaryIO:
     """Open ``path`` for reading when it resolves to a regular file; CheckpointError otherwise.
 
-    The link's target is stat'ed before anything is opened, so a FIFO (whose ``open`` blocks),
-    a device (whose ``open`` may act) or a socket is refused without being touched; files
-    of /proc and /sys, which are generated as they are read, are refused too. The file is
-    opened non-blocking and checked again, so a swap after the stat cannot make it block.
+    The file is checked before it is opened (``check_regular_file``), then opened non-blocking
+    and checked again, so a swap after the check cannot make it block.
     """
-    try:
-        info = os.stat(path)
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
-        raise CheckpointError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from e
-    _check_regular(path, info)
-    real = os.path.realpath(path)
-    if any(real == root or real.startswith(root + "/") for root in _PSEUDO_ROOTS):
-        raise CheckpointError(
-            f"{path}: resolves to {real}, a file the kernel generates; fusectl never reads "
-            "/proc or /sys — name a checkpoint file"
-        )
+    check_regular_file(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
+        raise CheckpointError(f"{printable(path)}: cannot read it ({e.strerror})") from e
     try:
-        _check_regular(path, os.fstat(fd))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{printable(path)}: changed into something other than a regular file "
+                                  "while fusectl opened it; name the checkpoint file itself")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
-
-
-def _check_regular(path: str, info: os.stat_result) -> None:
-    if stat.S_ISREG(info.st_mode):
-        return
-    kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode)
-            else "a socket" if stat.S_ISSOCK(info.st_mode)
-            else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "not a file")
-    raise CheckpointError(f"{path}: is {kind}, not a regular file; fusectl reads only regular files — "
-                          "name the checkpoint file itself")
 
 
 # ------------------------------------------------------------------------------------- JSON

@@ -8,6 +8,7 @@ import stat
 import numpy as np
 
 from ..errors import CheckpointError, printable, quote
+from ..io.untrusted import check_regular_file, is_generated
 
 
 def load_model(path: str):
@@ -41,21 +42,7 @@ def initializer_views(model):
 def check_model_file(path: str) -> None:
     """CheckpointError unless ``path`` is a regular file outside /proc: a FIFO or a device would
     block or never end when read, a folder is not a model."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{printable(path)}: no such ONNX file") from None
-    except OSError as e:
-        raise CheckpointError(f"{printable(path)}: cannot read it ({e.strerror})") from e
-    if not stat.S_ISREG(info.st_mode) or is_generated(path):
-        raise CheckpointError(f"{printable(path)}: not a regular file (a folder, FIFO, device, or a /proc or "
-                              "/sys file); give the path of an .onnx file")
-
-
-def is_generated(path: str) -> bool:
-    """Whether ``path`` resolves into /proc or /sys, whose files the kernel makes up as they are read."""
-    real = os.path.realpath(path)
-    return any(real == root or real.startswith(root + "/") for root in ("/proc", "/sys"))
+    check_regular_file(path, hint="give the path of an .onnx file")
 
 
 def _graph_tensors(graph):

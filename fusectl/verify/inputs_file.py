@@ -11,8 +11,6 @@ unpickled.
 from __future__ import annotations
 
 import math
-import os
-import stat
 import struct
 import zipfile
 import zlib
@@ -23,7 +21,7 @@ import numpy as np
 
 from ..errors import VerifyError, printable, quote
 from ..limits import check_limit
-from ..onnx.graph import is_generated
+from ..io.untrusted import check_regular_file
 from .runner import one_line
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -102,15 +100,8 @@ def load_inputs_file(path: str | None) -> Mapping[str, np.ndarray]:
     if path is None:
         return {}
     what = f"--inputs {printable(path)}"
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise VerifyError(f"{what}: no such file; pass an .npz of arrays named after the model's inputs") from None
-    except OSError as e:
-        raise VerifyError(f"{what}: cannot read it ({e.strerror})") from e
-    if not stat.S_ISREG(info.st_mode) or is_generated(path):
-        raise VerifyError(f"{what}: not a regular file (a folder, FIFO, device, or a /proc or /sys file); "
-                          "pass an .npz of arrays named after the model's inputs")
+    check_regular_file(path, error=VerifyError, what=what,
+                       hint="pass an .npz of arrays named after the model's inputs")
     try:
         with open(path, "rb") as f:
             if f.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
