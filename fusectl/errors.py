@@ -41,6 +41,8 @@ def printable(name: str) -> str:
     >>> print(printable("evil" + chr(7) + "name"))
     evil\\x07name
     """
+    if name.isprintable():  # the common case, at C speed (inspect prints every name)
+        return name
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
 
 
