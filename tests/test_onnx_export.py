@@ -218,7 +218,7 @@ def test_a_folded_checkpoint_takes_the_place_of_the_folds_an_exporter_made(tmp_p
     fused = tmp_path / "fused"
     ok(run("fuse", ONNX / name, "-r", preset, "-o", fused, "--quiet"))
     doc = json.loads(ok(run("map", fused, ONNX / name / graph, "--json")).output)
-    assert any(p["how"] == "close" and p["data"] == "close" for p in doc["pairs"])
+    assert any(p["how"] == "content" and p["data"] == "close" for p in doc["pairs"])
     out = tmp_path / "out.onnx"
     ok(run("export", fused, "--graph", ONNX / name / graph, "-o", out))
     io = dict(np.load(ONNX / name / "io.npz"))

@@ -25,10 +25,9 @@ from ..tensors import LazyTensor
 class Pair:
     structural: str
     initializer: str
-    # "name", "content", "transposed" (the initializer is the tensor transposed) or "close"
-    # (content equal within the dtype's tolerance: a fold the exporter computed itself)
-    how: str
-    # "equal": same dtype, shape and bytes; "close": within tolerance; "differs": paired by
+    how: str  # "name", "content" or "transposed" (the initializer is the tensor transposed)
+    # "equal": same dtype, shape and bytes; "close": within the dtype's tolerance (a fold the
+    # exporter computed itself, paired by content); "differs": paired by
     # name, other data (an exporter folded something into it); "unknown": the checkpoint has
     # the name but not its data
     data: str = "equal"
@@ -69,18 +68,24 @@ MAX_CLOSE_CANDIDATES = 10_000
 
 
 def _pair_close(table, initializers, initializer_specs, matched_graph, matched_unique, add) -> None:
-    """Pair what is left by content equal within the dtype's tolerance ("close"): an exporter
-    that constant-folds a BatchNorm or weight_norm computes the fold fusectl recorded, up to
-    rounding (TorchScript's ``onnx::Conv_299`` against a ``conv-bn-fold`` checkpoint)."""
+    """Pair what is left by content equal within the dtype's tolerance (data "close"), as is or
+    transposed: an exporter that constant-folds a BatchNorm or weight_norm computes the fold
+    fusectl recorded, up to rounding (TorchScript's ``onnx::Conv_299`` against a
+    ``conv-bn-fold`` checkpoint, dynamo's transposed ``val_12`` against a folded Linear)."""
     from ..verify.compare import default_tolerance
 
-    left = {}
+    left: dict[tuple, list[tuple[LazyTensor, bool]]] = {}
     for _, tensor in table.unique():
         if id(tensor) in matched_unique or not tensor.has_data() or tensor.spec.dtype.packed:
             continue
         if tensor.spec.dtype.numpy.kind != "f" or not tensor.spec.shape:
             continue
-        left.setdefault((str(tensor.spec.dtype.numpy), tensor.spec.shape), []).append(tensor)
+        dtype, shape = str(tensor.spec.dtype.numpy), tensor.spec.shape
+        left.setdefault((dtype, shape), []).append((tensor, False))
+        if len(shape) == 2 and shape[0] != shape[1]:
+            left.setdefault((dtype, shape[::-1]), []).append((tensor, True))
+        elif len(shape) == 2:
+            left[(dtype, shape)].append((tensor, True))
     candidates = [(name, left[key]) for name in initializers if name not in matched_graph
                   for key in [(initializer_specs[name][0], tuple(initializer_specs[name][1]))] if key in left]
     if not candidates or sum(len(ts) for _, ts in candidates) > MAX_CLOSE_CANDIDATES:
@@ -88,15 +93,15 @@ def _pair_close(table, initializers, initializer_specs, matched_graph, matched_u
     arrays: dict[int, np.ndarray] = {}
     for name, tensors in candidates:
         theirs = np.asarray(initializers[name](), np.float64)
-        for tensor in tensors:
+        for tensor, transposed in tensors:
             if id(tensor) in matched_unique:
                 continue
             if id(tensor) not in arrays:
                 arrays[id(tensor)] = np.asarray(Materializer([tensor]).array(tensor), np.float64)
-            mine = arrays[id(tensor)]
+            mine = arrays[id(tensor)].T if transposed else arrays[id(tensor)]
             atol, rtol = default_tolerance(tensor.spec.dtype.numpy)
             if np.all(np.isfinite(mine)) and np.all(np.abs(mine - theirs) <= atol + rtol * np.abs(theirs)):
-                add(id(tensor), name, "close", "close")
+                add(id(tensor), name, "transposed" if transposed else "content", "close")
                 break
 
 
