@@ -342,6 +342,7 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
         "output": out,
         "tensors": report.tensors,
         "unique_bytes": report.unique_bytes,
+        "written_bytes": report.written_bytes,
         "copied_bytes": report.copied_bytes,
         "steps": len(plan.steps) if plan else 0,
         "ties": table.ties(),
@@ -351,7 +352,7 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
         _emit_json(summary)
     else:
         click.echo(
-            f"wrote {out}: {report.tensors} tensors, {_human(report.unique_bytes)} "
+            f"wrote {out}: {report.tensors} tensors, {_human(report.written_bytes)} "
             f"({_human(report.copied_bytes)} copied without decoding) in {summary['seconds']:.2f}s"
         )
 

@@ -92,8 +92,9 @@ def _check_finite(computation: Computation, inputs, outputs) -> None:
 class WriteReport:
     path: str
     tensors: int
-    unique_bytes: int
+    unique_bytes: int  # bytes of unique parameters
     copied_bytes: int  # bytes copied as file ranges, never decoded
+    written_bytes: int  # bytes of every tensor written (adopted ties stored twice count twice)
 
 
 def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str]):
@@ -164,7 +165,8 @@ def write_table(
             raise
         finally:
             bar.finish()
-    return WriteReport(out, len(unique), sum(t.spec.nbytes for _, t in table.unique()), copied)
+    return WriteReport(out, len(unique), sum(t.spec.nbytes for _, t in table.unique()), copied,
+                       sum(t.spec.nbytes for _, t in unique))
 
 
 DEFAULT_SHARD_SIZE = 5 * 10**9

@@ -781,3 +781,24 @@ def test_follow_symlinks_lets_a_user_allow_links_out_of_the_folder(tmp_path, com
     assert allowed.exit_code == 0, allowed.output
     if command == "fuse":
         assert (out / "tokenizer.json").read_text() == "HF_TOKEN=hf_xxx\n"
+
+
+def test_a_folder_output_keeps_linked_subfolders_and_skips_cycles_and_vcs(tmp_path):
+    """`b -> a` inside the folder is part of the tree (copied as a folder); `a/up -> ..` is a
+    cycle (skipped, not walked forever); `.git` is never copied (a clone's .git/lfs holds the
+    old weights again); a link to itself is an error naming it."""
+    src = tmp_path / "model"
+    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    (src / "a").mkdir()
+    (src / "a" / "x.txt").write_text("x\n")
+    os.symlink("a", src / "b")
+    os.symlink("..", src / "a" / "up")
+    (src / ".git" / "lfs").mkdir(parents=True)
+    (src / ".git" / "lfs" / "blob").write_bytes(b"old weights")
+    out = tmp_path / "out"
+    ok(run_cli("fuse", src, "-r", "llama-qkv", "-o", out, "--quiet"))
+    assert (out / "a" / "x.txt").read_text() == "x\n" and (out / "b" / "x.txt").read_text() == "x\n"
+    assert not (out / ".git").exists() and not (out / "a" / "up").exists()
+    os.symlink("loop", src / "loop")
+    result = run_cli("inspect", src)
+    assert result.exit_code == 2 and "loop" in result.stderr and "leads back to itself" in result.stderr

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, printable, quote
 from ..limits import check_limit
-from .untrusted import load_json, open_input
 from ..table import ParamTable
 from ..tensors import LazyTensor
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
 from .npz_file import read_npz
 from .provenance import METADATA_KEY, Provenance
 from .safetensors_file import read_header
+from .untrusted import check_regular_file, load_json, open_input
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # files that hold weights; everything else in a Hugging Face folder travels with the output
@@ -181,28 +182,34 @@ def list_companions(folder: str, boundary: LinkBoundary | None = None) -> list[C
     Subfolders are taken whole, weight files included: they hold other modules
     (sentence-transformers' ``1_Pooling/config.json``, ``2_Dense/model.safetensors``), not this
     checkpoint's tensors. Top-level weight files are left out: the output's own weights
-    replace them, and a stale copy in the old layout would contradict them. A link is
-    followed only within ``boundary`` (by default the folder itself); a link back up the tree
-    is walked once; anything but regular files and folders is refused.
+    replace them, and a stale copy in the old layout would contradict them. Version-control
+    folders (``.git``: a clone's ``.git/lfs`` holds the old weights again) are left out. A link
+    is followed only within ``boundary`` (by default the folder itself); a linked folder is
+    copied as a folder, except a link back up the tree (a cycle), which is skipped; anything
+    but regular files and folders is refused.
     """
     boundary = boundary or LinkBoundary.around(folder, False)
     found: list[Companion] = []
-    seen: set[str] = set()
 
-    def walk(directory: str, relative: str, real: str) -> None:
-        if real in seen:  # a link back up the tree, or to a folder already walked
+    def walk(directory: str, relative: str, real: str, ancestors: frozenset[str]) -> None:
+        if real in ancestors:  # a link back up the tree: walking it would never end
             return
-        seen.add(real)
+        ancestors = ancestors | {real}
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError as e:
-            raise CheckpointError(f"{directory}: cannot list: {e.strerror}") from e
+            raise CheckpointError(f"{printable(directory)}: cannot list it ({e.strerror})") from e
         top = relative == ""
         subfolders = []
         files = 0
         for entry in entries:
             name = os.path.join(relative, entry.name)
             linked = entry.is_symlink()
+            if linked and _loops(entry.path):
+                raise CheckpointError(f"{printable(entry.path)}: a symbolic link that leads back to itself; "
+                                      "remove it or point it at a file")
+            if entry.name in VCS_FOLDERS and entry.is_dir():
+                continue
             if entry.is_dir():  # follows a link: a linked folder is walked as a folder
                 target = os.path.realpath(entry.path) if linked else os.path.join(real, entry.name)
                 if linked:
@@ -214,23 +221,29 @@ def list_companions(folder: str, boundary: LinkBoundary | None = None) -> list[C
                 continue
             if linked:
                 boundary.check(entry.path)
-                _check_regular_file(entry.path)
+                check_regular_file(entry.path)
             elif not entry.is_file(follow_symlinks=False):
-                _check_regular_file(entry.path)
+                check_regular_file(entry.path)
             found.append(Companion(entry.path, name))
         if not top and not files and not subfolders:
             found.append(Companion(directory, relative, is_dir=True))
         for path, name, target in subfolders:
-            walk(path, name, target)
+            walk(path, name, target, ancestors)
 
-    walk(folder, "", boundary.roots[0])
+    walk(folder, "", boundary.roots[0], frozenset())
     return found
 
 
-def _check_regular_file(path: str) -> None:
-    """CheckpointError unless ``path`` resolves to a regular file (opening and closing it
-    through open_input, which never blocks and never opens a FIFO or device)."""
-    open_input(path).close()
+# folders of version-control tools, never part of a model's files
+VCS_FOLDERS = frozenset({".git", ".hg", ".svn"})
+
+
+def _loops(path: str) -> bool:
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _read_json(path: str, what: str):

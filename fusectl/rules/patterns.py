@@ -199,7 +199,7 @@ class Pattern:
                 continue
             used.add(group)
             if part.offset:  # canonical digits only: "05" is no index, so {n+1} refuses it
-                out.append(f"(?P<{group}>0|[1-9][0-9]*{q})")
+                out.append(f"(?P<{group}>{_CANONICAL}{q})")
             elif part.kind == "seg":
                 out.append(f"(?P<{group}>[^.]+{q})")
             elif part.kind == "int":
