@@ -43,7 +43,10 @@ class StepGroup:
     source: str
     steps: tuple[Step, ...]
     untied: tuple[tuple[str, ...], ...] = ()  # tie groups this rule broke (--untie)
+    # for each untied group, its members the input stored (an alias became a copy)
+    untied_stored: tuple[tuple[str, ...], ...] = ()
     retie: tuple[tuple[str, ...], ...] = ()  # groups an inverse ties again (exact steps only)
+    retie_stored: tuple[tuple[str, ...], ...] = ()  # ... and which of their members stay stored
 
     @property
     def kind(self) -> str:
@@ -79,7 +82,8 @@ class Plan:
             # undoing exact steps makes the untied copies bitwise equal again: tie them back
             exact = all(s.op.exact for s in group.steps)
             groups.append(StepGroup(group.rule, group.source, tuple(steps),
-                                    retie=group.untied if exact else ()))
+                                    retie=group.untied if exact else (),
+                                    retie_stored=group.untied_stored if exact else ()))
         return Plan(tuple(groups))
 
     def __add__(self, other: "Plan") -> "Plan":
@@ -183,6 +187,7 @@ class Planner:
                     )
                 produced.add(name)
         untied = self._judge_ties(group, consumed)
+        untied_stored = tuple(tuple(m for m in members if m in table.stored) for members in untied)
 
         new_entries: dict[str, LazyTensor] = {}
         # steps applying one op to the same tensors (tied members treated alike) compute once,
@@ -212,15 +217,17 @@ class Planner:
         table.stored -= consumed
         table.stored |= stored_outputs
         table.entries.update(new_entries)
-        for members in group.retie:
+        for k, members in enumerate(group.retie):
             present = [m for m in members if m in table]
             untouched = [m for m in present if m not in new_entries]
             if len(present) > 1:
                 table.tie(present, keep=(untouched or present)[0])
-                # the copies were stored only because the tie was broken: one stays stored
+                # a member that was an alias before the tie was broken is one again; what the
+                # input stored stays stored (a provenance without the record keeps one)
                 copies = sorted(m for m in present if m in table.stored)
-                table.stored -= set(copies[1:])
-        self.groups.append(replace(group, untied=untied))
+                stored_before = set(group.retie_stored[k]) if k < len(group.retie_stored) else set(copies[:1])
+                table.stored -= set(copies) - (stored_before or set(copies[:1]))
+        self.groups.append(replace(group, untied=untied, untied_stored=untied_stored))
 
     def _step_key(self, step: Step) -> tuple:
         return (step.op, tuple(id(self.table[n]) for n in step.inputs))

@@ -548,3 +548,25 @@ def test_splitting_every_member_alike_keeps_the_parts_tied_and_unfuse_restores(c
     ok(cli("unfuse", out, "-o", back))
     assert ok(cli("inspect", back, "--json")).json()["ties"] == [["embed.weight", "head.weight"]]
     assert parse_safetensors(back)[0]["embed.weight"] == parse_safetensors(src)[0]["embed.weight"]
+
+
+def test_unfuse_after_untie_of_an_adopted_tie_keeps_both_stored_tensors(cli, tmp_path):
+    """a and b are equal and both stored; --detect-ties adopts the tie, a concat breaks it
+    (--untie). unfuse ties them again for the plan, but the input stored both, so both are
+    stored again: the round trip is the identity (a save_model alias stays an alias, see
+    test_untie_then_unfuse_restores_the_tie)."""
+    w = np.arange(8, dtype=np.float32).reshape(2, 4)
+    src = tmp_path / "dup.safetensors"
+    safetensors.numpy.save_file({"a.weight": w, "b.weight": w.copy(), "c.weight": -w}, str(src))
+    rules = write_rules(tmp_path / "cat.toml", 'version = 1\n[[rule]]\nop = "concat"\n'
+                                               'inputs = ["a.weight", "c.weight"]\noutput = "ac.weight"\n')
+    fused, back = tmp_path / "f.safetensors", tmp_path / "u.safetensors"
+    ok(cli("fuse", src, "-r", rules, "--detect-ties", "--untie", "-o", fused))
+    plan = json.loads(json.dumps(parse_safetensors(fused)[1]))["fusectl"]
+    group = json.loads(plan)["plan"][0]
+    assert group["untied"] == [["a.weight", "b.weight"]] and group["untied_stored"] == [["a.weight", "b.weight"]]
+    ok(cli("unfuse", fused, "-o", back))
+    tensors, meta = parse_safetensors(back)
+    assert sorted(tensors) == ["a.weight", "b.weight", "c.weight"]
+    assert "b.weight" not in meta
+    assert tensors == parse_safetensors(src)[0]

@@ -130,7 +130,7 @@ def _plan(raw: object) -> Plan:
         what = f"rule group {g}"
         if not isinstance(group, dict):
             raise _Invalid(f"{what} must be an object, not {_short(group)}")
-        _only_keys(group, {"rule", "source", "op", "untied", "steps"}, what)
+        _only_keys(group, {"rule", "source", "op", "untied", "untied_stored", "steps"}, what)
         for key in ("rule", "source"):
             if not isinstance(group.get(key), str):
                 raise _Invalid(f"{what}: {key} must be a string, not {_short(group.get(key))}")
@@ -140,8 +140,16 @@ def _plan(raw: object) -> Plan:
             tuple(_name(m, f"{what}: a member of untied group {k}") for m in _list(members, f"{what}: untied group {k}"))
             for k, members in enumerate(_list(group.get("untied", []), f"{what}: untied"))
         )
+        untied_stored = tuple(
+            tuple(_name(m, f"{what}: a member of untied_stored group {k}")
+                  for m in _list(members, f"{what}: untied_stored group {k}"))
+            for k, members in enumerate(_list(group.get("untied_stored", []), f"{what}: untied_stored"))
+        )
+        if untied_stored and (len(untied_stored) != len(untied)
+                              or any(not set(s) <= set(u) for s, u in zip(untied_stored, untied))):
+            raise _Invalid(f"{what}: untied_stored must name members of each untied group")
         steps = tuple(_step(step, f"{what}, step {k}") for k, step in enumerate(_list(group.get("steps"), f"{what}: steps")))
-        groups.append(StepGroup(group["rule"], group["source"], steps, untied))
+        groups.append(StepGroup(group["rule"], group["source"], steps, untied, untied_stored))
     return Plan(tuple(groups))
 
 
@@ -254,6 +262,7 @@ def plan_to_json(plan: Plan) -> list[dict]:
             "source": g.source,
             "op": g.kind,
             "untied": [list(u) for u in g.untied],
+            "untied_stored": [list(u) for u in g.untied_stored],
             "steps": [
                 {
                     "op": s.op.kind,
