@@ -332,3 +332,37 @@ def test_export_refuses_a_named_initializer_whose_data_was_swapped(tmp_path, ini
     assert f"graph initializer {initializer!r} has the name of checkpoint tensor {initializer!r}" in result.output
     assert "max abs difference" in result.output and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_an_export_with_external_data_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Past 2 GB (here: any size, the threshold lowered) the model and OUT.onnx.data are staged
+    under temporary names and renamed into place together; a failure leaves neither."""
+    import errno
+    import os
+
+    import fusectl.io.output as output
+    import fusectl.onnx.export as export
+
+    monkeypatch.setattr(export, "EXTERNAL_DATA_THRESHOLD", 0)
+    fused = tmp_path / "fused"
+    ok(run("fuse", ONNX / "bert", "-r", "bert-qkv", "-o", fused, "--quiet"))
+    out = tmp_path / "out.onnx"
+    ok(run("export", fused, "--graph", ONNX / "bert" / "model.onnx", "-o", out))
+    assert (tmp_path / "out.onnx.data").is_file()
+    io = dict(np.load(ONNX / "bert" / "io.npz"))
+    np.testing.assert_allclose(run_model(out, io)["last_hidden_state"], io["last_hidden_state"], atol=1e-4)
+    # the data file is an output too: not replaced without --force, never left half written
+    second = tmp_path / "second.onnx"
+    (tmp_path / "second.onnx.data").write_bytes(b"someone else's")
+    result = run("export", fused, "--graph", ONNX / "bert" / "model.onnx", "-o", second)
+    assert result.exit_code == 2 and "second.onnx.data: already exists" in result.output
+    assert (tmp_path / "second.onnx.data").read_bytes() == b"someone else's" and not second.exists()
+
+    def disk_full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(output, "_sync_tree", disk_full)
+    third = tmp_path / "third.onnx"
+    result = run("export", fused, "--graph", ONNX / "bert" / "model.onnx", "-o", third)
+    assert result.exit_code == 2 and "No space left on device" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused", "out.onnx", "out.onnx.data", "second.onnx.data"]

@@ -58,14 +58,61 @@ def output_kind(path: str) -> str:
 
 @contextlib.contextmanager
 def atomic_output(path: str, *, force: bool, inputs: Sequence[str],
-                  on_note: Callable[[str], None] | None = None) -> Iterator[str]:
+                  on_note: Callable[[str], None] | None = None, extra: Sequence[str] = ()) -> Iterator[str]:
     """Yield a temporary path beside ``path``; rename it into place only if the body succeeds.
+
+    ``extra`` names further outputs written with the main one (an ONNX model's external data):
+    the body writes each at ``temporary_name(extra)``; they are checked, flushed, renamed into
+    place just before the main output, and removed on failure like it.
 
     The temporary output is flushed to disk (every file, then every folder) before the rename,
     and the parent folder after it, so a crash after fusectl returns cannot leave a renamed but
     empty output. Temporaries that a killed run left for the same output (``.NAME.fusectl-tmp-PID``
     of a process that is gone) are removed first, each reported through ``on_note``.
     """
+    target = os.path.realpath(path)
+    for output in (path, *extra):
+        _check_target(output, force, inputs, on_note or (lambda message: None))
+    parent = os.path.dirname(target)
+    base = os.path.basename(target)
+    temp = temporary_name(path)
+    extras = [(temporary_name(e), os.path.realpath(e)) for e in extra]
+    for t in (temp, *(t for t, _ in extras)):
+        _remove(t)
+    try:
+        try:
+            yield temp
+            for t in (temp, *(t for t, _ in extras)):
+                _sync_tree(t)
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                raise OutputError(f"{path}: {e.strerror} while writing it; nothing was written. "
+                                  "Free some space (or choose another -o) and run again") from e
+            raise
+        for t, final in extras:
+            os.replace(t, final)
+        if os.path.lexists(target):
+            old = os.path.join(parent, f".{base}.fusectl-old-{os.getpid()}")
+            os.rename(target, old)
+            os.rename(temp, target)
+            _remove(old)
+        else:
+            os.rename(temp, target)
+        _sync(parent)
+    finally:
+        for t in (temp, *(t for t, _ in extras)):
+            _remove(t)
+
+
+def temporary_name(path: str) -> str:
+    """Where ``atomic_output`` has an output written: ``.NAME.fusectl-tmp-PID`` beside it."""
+    target = os.path.realpath(path)
+    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.fusectl-tmp-{os.getpid()}")
+
+
+def _check_target(path: str, force: bool, inputs: Sequence[str], on_note: Callable[[str], None]) -> None:
+    """An output may not overwrite or land inside an input, nor replace a file without --force;
+    what a killed run left for it is cleaned first."""
     target = os.path.realpath(path)
     for source in inputs:
         source = os.path.realpath(source)
@@ -77,31 +124,9 @@ def atomic_output(path: str, *, force: bool, inputs: Sequence[str],
     parent = os.path.dirname(target)
     if not os.path.isdir(parent):
         raise OutputError(f"{path}: the folder {parent} does not exist")
-    base = os.path.basename(target)
-    _clean_stale(parent, base, target, on_note or (lambda message: None))
+    _clean_stale(parent, os.path.basename(target), target, on_note)
     if os.path.lexists(target) and not force:
         raise OutputError(f"{path}: already exists; pass --force to replace it")
-    temp = os.path.join(parent, f".{base}.fusectl-tmp-{os.getpid()}")
-    _remove(temp)
-    try:
-        try:
-            yield temp
-            _sync_tree(temp)
-        except OSError as e:
-            if e.errno in _NO_SPACE:
-                raise OutputError(f"{path}: {e.strerror} while writing it; nothing was written. "
-                                  "Free some space (or choose another -o) and run again") from e
-            raise
-        if os.path.lexists(target):
-            old = os.path.join(parent, f".{base}.fusectl-old-{os.getpid()}")
-            os.rename(target, old)
-            os.rename(temp, target)
-            _remove(old)
-        else:
-            os.rename(temp, target)
-        _sync(parent)
-    finally:
-        _remove(temp)
 
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import OutputError, PlanError
+from ..errors import PlanError
 from ..execute import Materializer
 from ..io.checkpoint import Checkpoint
-from ..io.output import atomic_output
+from ..io.output import atomic_output, temporary_name
 from ..plan import Plan, Planner, StepGroup
 from ..table import ParamTable
 from ..tensors import LazyTensor, TensorSpec
@@ -444,22 +444,21 @@ class Exporter:
         external = total > EXTERNAL_DATA_THRESHOLD
         data_name = os.path.basename(out) + ".data"
         data_path = os.path.join(os.path.dirname(os.path.abspath(out)), data_name)
-        if external and os.path.lexists(data_path) and not force:
-            raise OutputError(f"{data_path}: already exists; pass --force to replace it")
         with atomic_output(out, force=force, inputs=[self.graph_path, *self.ckpt.input_paths()],
-                           on_note=on_note) as temp:
+                           on_note=on_note, extra=[data_path] if external else []) as temp:
             if not external:
                 self.ir.save(self.model, temp)
                 _check(temp)
             else:
-                # the model names its data file relatively: stage both side by side, check, move
+                # the model names its data file relatively: stage both side by side, check, then
+                # hand both to atomic_output, which renames them into place together
                 stage = temp + ".d"
                 os.makedirs(stage)
                 try:
                     target = os.path.join(stage, os.path.basename(out))
                     self.ir.save(self.model, target, external_data=data_name)
                     _check(target)
-                    shutil.move(os.path.join(stage, data_name), data_path)
+                    os.replace(os.path.join(stage, data_name), temporary_name(data_path))
                     os.replace(target, temp)
                 finally:
                     shutil.rmtree(stage, ignore_errors=True)
