@@ -173,3 +173,15 @@ def test_a_fold_over_inputs_that_hold_nan_names_them(cli, tmp_path):
 def test_malformed_values_in_a_rules_file_are_rule_errors(cli, ckpt, tmp_path, line, needle):
     rules = write_rules(tmp_path / "bad.toml", f"version = 1\n[[rule]]\n{line}\n")
     refused(cli("plan", ckpt, "-r", rules), "bad.toml", needle)
+
+
+def test_a_sequential_conv_transpose_before_a_batchnorm_is_not_folded_as_a_conv(cli, tmp_path):
+    """ConvTranspose2d(8, 4) + BatchNorm2d(4) in an nn.Sequential: read as a Conv its weight
+    [8, 4, 3, 3] has 8 output channels, which the BatchNorm's 4 do not fit; the error says so
+    and how to fold it instead of a misleading channel count."""
+    path = tmp_path / "in" / "dec.safetensors"
+    path.parent.mkdir()
+    write_safetensors(path, {"dec.0.weight": np.ones((8, 4, 3, 3), np.float32), "dec.0.bias": np.zeros(4, np.float32),
+                             **{f"dec.1.{p}": np.ones(4, np.float32) for p in ("weight", "bias", "running_mean", "running_var")}})
+    refused(cli("plan", path, "-r", "conv-bn-fold"), "'dec.0.weight' has 8 output channels as a conv weight",
+            'layer = "conv_transpose"')

@@ -308,7 +308,12 @@ class BnFold(Op):
         channels = self._channels(w.shape, names[0])
         for spec, name in zip(specs[1:], names[1:]):
             if spec is not None and spec.shape != (channels,):
-                raise PlanError(f"{name!r} has shape {list(spec.shape)}; {names[0]!r} has {channels} output channels")
+                hint = ""
+                if self.layer == "conv" and len(w.shape) >= 3 and spec.shape == (w.shape[1],):
+                    hint = (f"; if {names[0]!r} is a ConvTranspose (its output channels are axis 1), "
+                            "write a bn_fold rule with layer = \"conv_transpose\"")
+                raise PlanError(f"{name!r} has shape {list(spec.shape)}; {names[0]!r} has {channels} output "
+                                f"channels as a {self.layer} weight{hint}")
         bias_dtype = specs[1].dtype if specs[1] is not None else w.dtype
         return [w, TensorSpec(bias_dtype, (channels,))]
 
