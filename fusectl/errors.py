@@ -35,6 +35,11 @@ class ComputeError(FusectlError):
     """A step's data is invalid for its op (found while executing, e.g. a zero norm)."""
 
 
+class InternalError(RuntimeError):
+    """An invariant of fusectl's own code broke (a writer fed out of order): a bug, never bad
+    input. Not a FusectlError, so the CLI reports it with exit code 70."""
+
+
 def printable(name: str) -> str:
     """``name`` with control characters escaped, for plain-text output.
 

@@ -448,3 +448,22 @@ def test_npz_member_that_is_not_an_array_is_refused(tmp_path):
     with pytest.raises(CheckpointError) as info:
         read_npz(str(path))
     assert "readme.txt" in str(info.value)
+
+
+def test_writer_invariants_are_real_errors_not_asserts(tmp_path):
+    """They hold under python -O too: a bug in the order of writes is an InternalError (exit 70)."""
+    from fusectl import dtypes
+    from fusectl.errors import InternalError
+    from fusectl.io.safetensors_file import SafetensorsWriter
+    from fusectl.tensors import TensorSpec
+
+    spec = TensorSpec(dtypes.BY_NAME["F32"], (2,))
+    writer = SafetensorsWriter(str(tmp_path / "w.safetensors"), [("a", spec), ("b", spec)], {})
+    with pytest.raises(InternalError, match="expected 'a' next, got 'b'"):
+        writer.write("b", np.zeros(2, np.float32))
+    writer = SafetensorsWriter(str(tmp_path / "x.safetensors"), [("a", spec)], {})
+    with pytest.raises(InternalError, match="arrived as float64"):
+        writer.write("a", np.zeros(2, np.float64))
+    writer = SafetensorsWriter(str(tmp_path / "y.safetensors"), [("a", spec)], {})
+    with pytest.raises(InternalError, match="never written"):
+        writer.close()

@@ -17,7 +17,7 @@ from typing import BinaryIO, Mapping, Sequence
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError, quote
+from ..errors import CheckpointError, InternalError, quote
 from ..limits import check_limit, limit
 from .untrusted import collector_paused, load_json, open_input
 from ..tensors import ByteRange, FileTensor, TensorSpec
@@ -290,9 +290,12 @@ class SafetensorsWriter:
 
     def write(self, name: str, data: np.ndarray | tuple[ByteRange, ...]) -> None:
         expected, spec = self._pending.popleft()
-        assert name == expected, f"writer expected {expected!r}, got {name!r}"
+        if name != expected:
+            raise InternalError(f"{self.path}: the writer expected {expected!r} next, got {name!r}")
         if isinstance(data, np.ndarray):
-            assert data.dtype == spec.dtype.numpy and data.shape == spec.shape, (name, data.dtype, data.shape, spec)
+            if data.dtype != spec.dtype.numpy or data.shape != spec.shape:
+                raise InternalError(f"{self.path}: {name!r} arrived as {data.dtype}{list(data.shape)}, "
+                                    f"the header says {spec}")
             self._flush()
             write_all(self._file.fileno(), np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
             return
@@ -313,7 +316,8 @@ class SafetensorsWriter:
         self._ranges = []
 
     def close(self) -> None:
-        assert not self._pending, f"{len(self._pending)} tensors were never written"
+        if self._pending:
+            raise InternalError(f"{self.path}: {len(self._pending)} tensor(s) were never written")
         self._flush()
         start_writeback(self._file.fileno())
         self._file.close()
