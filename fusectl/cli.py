@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -16,7 +17,6 @@ from . import __version__
 from .errors import FusectlError, PlanError, printable
 from .execute import write_table
 from .io.checkpoint import Checkpoint, open_checkpoint
-from .io.output import parse_size
 from .io.provenance import plan_to_json
 from .plan import Plan, make_plan, replay_plan
 from .rules.inverse import invert_ruleset
@@ -310,10 +310,39 @@ def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
         _print_plan(plan, result)
 
 
+class SizeType(click.ParamType):
+    """``--max-shard-size 5GB`` → 5_000_000_000: decimal units as Hugging Face uses them, KiB,
+    MiB, GiB, TiB binary; a bad value is an ``error:`` naming the option (exit 2).
+
+    >>> SizeType().convert("500MB", None, None), SizeType().convert("1GiB", None, None)
+    (500000000, 1073741824)
+    """
+
+    name = "SIZE"
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).upper() not in self.units:
+            self._bad(f"--max-shard-size {value!r}: write a size such as 5GB, 500MB or 2GiB", param, ctx)
+        size = int(float(m.group(1)) * self.units[m.group(2).upper()])
+        if size <= 0:
+            self._bad(f"--max-shard-size {value!r} must be positive", param, ctx)
+        return size
+
+    def _bad(self, message, param, ctx):
+        if ctx is None:
+            self.fail(message, param, ctx)
+        _fail(ctx, message)
+
+
 output_options = [
     click.option("-o", "--output", "out", required=True, type=click.Path(),
                  help="Output: FILE.safetensors, FILE.npz, or a folder (Hugging Face layout)."),
-    click.option("--max-shard-size", default=None,
+    click.option("--max-shard-size", type=SizeType(), default=None,
                  help="Cut a folder output into shards of at most this size (e.g. 5GB). "
                       "Default: keep a sharded input's shards, else 5GB."),
     click.option("--force", is_flag=True, help="Replace an existing output."),
@@ -333,7 +362,7 @@ def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, fo
         inputs=c.input_paths(),
         passthrough=c.metadata,
         companions=c.companions,
-        max_shard_size=parse_size(max_shard_size) if max_shard_size else None,
+        max_shard_size=max_shard_size,
         force=force,
         progress=False if quiet else None,
         on_note=_note,

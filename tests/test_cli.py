@@ -655,3 +655,26 @@ def test_an_output_named_like_a_format_fusectl_does_not_write_is_refused(cli, co
     assert result.stderr.startswith("error: ") and name in result.stderr
     assert ".safetensors, .npz or a folder" in result.stderr
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("5GB", 5 * 10**9), ("20KB", 20_000), ("1GiB", 2**30), ("123", 123), ("1.5MB", 1_500_000), ("2 mib", 2 * 2**20)],
+)
+def test_max_shard_size_parses_sizes(text, value):
+    from fusectl.cli import SizeType
+
+    assert SizeType().convert(text, None, None) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "5XB", "-1GB", "0", "0KB"])
+def test_max_shard_size_rejects(cli, copy_fixture, tmp_path, text):
+    import click
+
+    from fusectl.cli import SizeType
+
+    with pytest.raises(click.BadParameter):
+        SizeType().convert(text, None, None)
+    out = tmp_path / "out"
+    result = cli("fuse", copy_fixture(LLAMA), "-r", "llama-qkv", "-o", out, "--max-shard-size", text)
+    assert result.exit_code == 2 and result.stderr.startswith("error: --max-shard-size") and not out.exists()

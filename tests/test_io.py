@@ -20,9 +20,9 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import load_checkpoint_raw, ok, parse_safetensors
 from fusectl.dtypes import ARRAY_DTYPES, BY_NAME
-from fusectl.errors import CheckpointError, OutputError
+from fusectl.errors import CheckpointError
 from fusectl.io.npz_file import NpzWriter, read_npz
-from fusectl.io.output import parse_size, plan_shards
+from fusectl.io.output import plan_shards
 from fusectl.io.safetensors_file import SafetensorsWriter, header_bytes, read_header
 from fusectl.tensors import TensorSpec
 
@@ -334,20 +334,6 @@ def test_folder_output_shards_under_max_size(tmp_path, max_size):
     # each shard opens with safetensors itself
     for shard in shards:
         safetensors.numpy.load_file(str(out / shard))
-
-
-@pytest.mark.parametrize(
-    "text, value",
-    [("5GB", 5 * 10**9), ("20KB", 20_000), ("1GiB", 2**30), ("123", 123), ("1.5MB", 1_500_000), ("2 mib", 2 * 2**20)],
-)
-def test_parse_size(text, value):
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "lots", "5XB", "-1GB", "0", "0KB"])
-def test_parse_size_rejects(text):
-    with pytest.raises(OutputError):
-        parse_size(text)
 
 
 # --------------------------------------------------------------------------------------- npz

@@ -16,25 +16,6 @@ from .checkpoint import INDEX_SUFFIX, Companion
 from .npz_file import NpzWriter
 from .safetensors_file import SafetensorsWriter
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' → 5_000_000_000 (decimal units as Hugging Face uses; KiB/MiB/GiB binary).
-
-    >>> parse_size("500MB"), parse_size("1GiB"), parse_size("123")
-    (500000000, 1073741824, 123)
-    """
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise OutputError(f"--max-shard-size {text!r}: write a size such as 5GB, 500MB or 2GiB")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if size <= 0:
-        raise OutputError(f"--max-shard-size {text!r} must be positive")
-    return size
-
-
 # file names a user may mean as a single-file output that fusectl does not write: never
 # silently turn them into a folder
 _UNWRITTEN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".onnx", ".h5", ".msgpack",
