@@ -1,3 +1,33 @@
-"""fusectl: re-lay out model checkpoints with declarative rules and prove they compute the same."""
+"""fusectl: re-lay out model checkpoints with declarative rules and prove they compute the same.
+
+The command line's jobs as functions (``fusectl.cli`` is an edge over them)::
+
+    import fusectl
+    report = fusectl.fuse("model/", ["llama-qkv", "llama-gate-up"], "fused/")
+    assert fusectl.verify("model/", "fused/").passed
+"""
 
 __version__ = "0.1.0"
+
+# the subpackages named like API functions are loaded first: loading a submodule binds its
+# name on this package, and would otherwise replace the function later
+from . import plan as _plan_module, verify as _verify_package  # noqa: E402
+from .api import FuseReport, Planned, export, fuse, plan, unfuse, verify  # noqa: E402
+
+del _plan_module, _verify_package
+from .errors import FusectlError  # noqa: E402
+from .io.checkpoint import Checkpoint, open_checkpoint  # noqa: E402
+
+__all__ = [
+    "Checkpoint",
+    "FuseReport",
+    "FusectlError",
+    "Planned",
+    "__version__",
+    "export",
+    "fuse",
+    "open_checkpoint",
+    "plan",
+    "unfuse",
+    "verify",
+]

@@ -13,17 +13,14 @@ import traceback
 
 import click
 
-from . import __version__
-from .errors import FusectlError, PlanError, printable
-from .execute import write_table
+from . import __version__, api
+from .errors import FusectlError, printable
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.provenance import plan_to_json
-from .plan import Plan, make_plan, replay_plan
-from .rules.inverse import invert_ruleset
-from .rules.presets import load_rules_arg, preset_description, preset_names, preset_text
-from .rules.schema import RuleSet
+from .plan import Plan
+from .rules.presets import preset_description, preset_names, preset_text
 from .table import ParamTable
-from .ties import declare_ties, detect_ties
+from .ties import detect_ties
 
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
@@ -99,8 +96,7 @@ links_option = click.option(
 
 def _open(path: str, config_path: str | None = None) -> Checkpoint:
     """open_checkpoint with the command line's --follow-symlinks."""
-    follow = bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
-    return open_checkpoint(path, config_path, allow_outside_links=follow)
+    return open_checkpoint(path, config_path, allow_outside_links=_follow_symlinks())
 
 
 debug_option = click.option(
@@ -138,31 +134,16 @@ def _emit_json(data) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
-def _load_rulesets(ckpt: Checkpoint, rules: tuple[str, ...]) -> list[RuleSet]:
-    return [load_rules_arg(r, ckpt.config) for r in rules]
+def _follow_symlinks() -> bool:
+    return bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
 
 
-def _prepared_table(ckpt: Checkpoint, rulesets: list[RuleSet], adopt_detected: bool,
-                    write_ties_once: bool = False) -> ParamTable:
-    table = ckpt.table.copy()
-    for ruleset in rulesets:
-        declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
-    if adopt_detected:
-        declare_ties(table, detect_ties(table).groups, "--detect-ties")
-    if write_ties_once:
-        table.store_once()
-    return table
-
-
-def _forward_plan(ckpt, rules, config_path, untie, adopt,
-                  write_ties_once=False) -> tuple[Checkpoint, Plan, ParamTable]:
-    """Open CKPT and bind RULES to it: the checkpoint, the plan and the resulting table."""
+def _forward_plan(ckpt, rules, config_path, untie, adopt, write_ties_once=False) -> api.Planned:
+    """Open CKPT and bind RULES to it (a usage error without rules)."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    c = _open(ckpt, config_path)
-    rulesets = _load_rulesets(c, rules)
-    plan, result = make_plan(_prepared_table(c, rulesets, adopt, write_ties_once), rulesets, untie)
-    return c, plan, result
+    return api.plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt,
+                    write_ties_once=write_ties_once, follow_symlinks=_follow_symlinks())
 
 
 def _parameters_json(table: ParamTable) -> list[dict]:
@@ -303,11 +284,11 @@ def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
     Example:
       fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
     """
-    _, plan, result = _forward_plan(ckpt, rules, config_path, untie, adopt)
+    planned = _forward_plan(ckpt, rules, config_path, untie, adopt)
     if as_json:
-        _emit_json(_plan_json(plan, result))
+        _emit_json(_plan_json(planned.plan, planned.table))
     else:
-        _print_plan(plan, result)
+        _print_plan(planned.plan, planned.table)
 
 
 class SizeType(click.ParamType):
@@ -356,33 +337,23 @@ def with_output_options(fn):
     return fn
 
 
-def _write(c: Checkpoint, table: ParamTable, plan: Plan, out, max_shard_size, force, quiet, as_json, started):
-    report = write_table(
-        table, plan, out,
-        inputs=c.input_paths(),
-        passthrough=c.metadata,
-        companions=c.companions,
-        max_shard_size=max_shard_size,
-        force=force,
-        progress=False if quiet else None,
-        on_note=_note,
-    )
-    summary = {
-        "output": out,
-        "tensors": report.tensors,
-        "unique_bytes": report.unique_bytes,
-        "written_bytes": report.written_bytes,
-        "copied_bytes": report.copied_bytes,
-        "steps": len(plan.steps) if plan else 0,
-        "ties": table.ties(),
-        "seconds": round(time.monotonic() - started, 3),
-    }
+def _report_written(report: api.FuseReport, as_json: bool, started: float) -> None:
+    seconds = round(time.monotonic() - started, 3)
     if as_json:
-        _emit_json(summary)
+        _emit_json({
+            "output": report.output,
+            "tensors": report.tensors,
+            "unique_bytes": report.unique_bytes,
+            "written_bytes": report.written_bytes,
+            "copied_bytes": report.copied_bytes,
+            "steps": report.steps,
+            "ties": report.ties,
+            "seconds": seconds,
+        })
     else:
         click.echo(
-            f"wrote {out}: {report.tensors} tensors, {_human(report.written_bytes)} "
-            f"({_human(report.copied_bytes)} copied without decoding) in {summary['seconds']:.2f}s"
+            f"wrote {report.output}: {report.tensors} tensors, {_human(report.written_bytes)} "
+            f"({_human(report.copied_bytes)} copied without decoding) in {seconds:.2f}s"
         )
 
 
@@ -404,9 +375,12 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
       fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
     """
     started = time.monotonic()
-    c, plan, result = _forward_plan(ckpt, rules, config_path, untie, adopt, write_ties_once)
-    history = c.provenance.plan if c.provenance else Plan()
-    _write(c, result, history + plan, out, max_shard_size, force, quiet, as_json, started)
+    if not rules:
+        raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
+    report = api.fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie,
+                      detect_ties=adopt, write_ties_once=write_ties_once, config=config_path,
+                      follow_symlinks=_follow_symlinks(), progress=False if quiet else None, on_note=_note)
+    _report_written(report, as_json, started)
 
 
 @command(main, "unfuse")
@@ -426,21 +400,10 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
       fusectl unfuse fused/ -o restored/
     """
     started = time.monotonic()
-    c = _open(ckpt, config_path)
-    if rules:
-        rulesets = [invert_ruleset(r) for r in reversed(_load_rulesets(c, rules))]
-        plan, result = make_plan(_prepared_table(c, rulesets, False, write_ties_once), rulesets, untie)
-        history = (c.provenance.plan if c.provenance else Plan()) + plan
-    else:
-        if c.provenance is None or not c.provenance.plan.groups:
-            raise PlanError(f"{ckpt}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
-        inverse = c.provenance.plan.inverse()
-        table = c.table.copy()
-        if write_ties_once:
-            table.store_once()
-        result = replay_plan(table, inverse, f"{ckpt} (provenance)", untie)
-        history = Plan()
-    _write(c, result, history, out, max_shard_size, force, quiet, as_json, started)
+    report = api.unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
+                        write_ties_once=write_ties_once, config=config_path, follow_symlinks=_follow_symlinks(),
+                        progress=False if quiet else None, on_note=_note)
+    _report_written(report, as_json, started)
 
 
 @command(main, "map")
@@ -508,9 +471,8 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
       fusectl export bert-fused/ --graph fixtures/onnx/bert/model.onnx -o bert-fused.onnx
       fusectl verify fixtures/onnx/bert/model.onnx bert-fused.onnx --inputs fixtures/onnx/bert/io.npz
     """
-    from .onnx.export import export_model
-
-    report = export_model(_open(ckpt, config_path), graph, out, force=force, on_note=_note)
+    report = api.export(ckpt, graph, out, force=force, config=config_path, follow_symlinks=_follow_symlinks(),
+                        on_note=_note)
     if as_json:
         _emit_json(report.__dict__)
     else:
@@ -649,8 +611,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
     """
-    from .verify.checkpoint_check import plan_for, verify_checkpoints
-    from .verify.model_check import load_inputs_file, model_input_paths, verify_models
+    from .verify.model_check import load_inputs_file, model_input_paths
     from .verify.report import check_report_destinations
 
     ctx = click.get_current_context()
@@ -668,9 +629,9 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
     if all(graphs):
         sources = [*model_input_paths(reference), *model_input_paths(candidate), *named]
         check_report_destinations(destinations, sources + ([inputs_file] if inputs_file else []))
-        report = verify_models(reference, candidate, provider=provider, atol=atol, rtol=rtol,
-                               inputs=load_inputs_file(inputs_file), shapes=parsed["--input"],
-                               dims=parsed["--dim"], seed=seed)
+        report = api.verify(reference, candidate, provider=provider, atol=atol, rtol=rtol,
+                            inputs=load_inputs_file(inputs_file), shapes=parsed["--input"],
+                            dims=parsed["--dim"], seed=seed)
     elif any(graphs):
         graph, ckpt = (reference, candidate) if graphs[0] else (candidate, reference)
         _fail(ctx, f"{printable(graph)} is an ONNX graph but {printable(ckpt)} is a checkpoint; verify "
@@ -683,10 +644,9 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             _fail(ctx, f"{used[0]} applies to two .onnx models; with checkpoints, verify makes its own inputs")
         ref = _open(reference, config_path)
         cand = _open(candidate, config_path)
-        rulesets = _load_rulesets(ref, rules)
         check_report_destinations(destinations, [*ref.input_paths(), *cand.input_paths(), *named])
-        report = verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider,
-                                    atol=atol, rtol=rtol, seed=seed)
+        report = api.verify(ref, cand, rules=rules, provider=provider, atol=atol, rtol=rtol, seed=seed,
+                            config=config_path)
     if report_path:
         with open(report_path, "w") as f:
             json.dump(report.to_json(), f, indent=2)

@@ -15,6 +15,7 @@ import safetensors
 import safetensors.numpy
 
 from conftest import (
+    FIXTURES,
     array_of,
     load_checkpoint_raw,
     ok,
@@ -678,3 +679,21 @@ def test_max_shard_size_rejects(cli, copy_fixture, tmp_path, text):
     out = tmp_path / "out"
     result = cli("fuse", copy_fixture(LLAMA), "-r", "llama-qkv", "-o", out, "--max-shard-size", text)
     assert result.exit_code == 2 and result.stderr.startswith("error: --max-shard-size") and not out.exists()
+
+
+def test_the_public_api_does_what_the_cli_does(tmp_path):
+    """import fusectl: fuse, unfuse, verify, plan and export as functions, names stable even
+    after the verify subpackage is loaded."""
+    import fusectl
+    import fusectl.verify.runner  # noqa: F401 - loading a submodule must not replace fusectl.verify
+
+    assert callable(fusectl.verify) and callable(fusectl.plan)
+    assert set(fusectl.__all__) >= {"open_checkpoint", "plan", "fuse", "unfuse", "export", "verify"}
+    fused, back = tmp_path / "fused", tmp_path / "back.safetensors"
+    report = fusectl.fuse(FIXTURES / LLAMA, ["llama-qkv"], fused)
+    assert report.steps == 2 and report.output == str(fused)
+    assert fusectl.verify(FIXTURES / LLAMA, fused).passed
+    fusectl.unfuse(fused, back)
+    assert_same_checkpoint(FIXTURES / LLAMA, back)
+    with pytest.raises(fusectl.FusectlError, match="already exists"):
+        fusectl.fuse(FIXTURES / LLAMA, ["llama-qkv"], fused)

@@ -1,0 +1,170 @@
+"""What the command line does, as functions: plan, fuse, unfuse, export and verify.
+
+Each takes paths (or an opened :class:`~fusectl.io.checkpoint.Checkpoint`) and rules, raises a
+:class:`~fusectl.errors.FusectlError` for bad input, and returns a report; nothing here prints.
+``fusectl.cli`` parses options and calls these.
+
+>>> import os, tempfile, fusectl
+>>> out = os.path.join(tempfile.mkdtemp(), "fused")
+>>> report = fusectl.fuse("fixtures/tiny-llama-gqa", ["llama-qkv", "llama-gate-up"], out)
+>>> report.tensors, report.steps
+(15, 4)
+>>> fusectl.verify("fixtures/tiny-llama-gqa", out).passed
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from .errors import PlanError
+from .execute import write_table
+from .io.checkpoint import Checkpoint, open_checkpoint
+from .plan import Plan, make_plan, replay_plan
+from .rules.inverse import invert_ruleset
+from .rules.presets import load_rules_arg
+from .rules.schema import RuleSet
+from .table import ParamTable
+from .ties import declare_ties, detect_ties
+
+@dataclass(frozen=True)
+class Planned:
+    """A checkpoint with rules bound to it: the plan and the table it produces."""
+
+    checkpoint: Checkpoint
+    plan: Plan
+    table: ParamTable
+
+
+@dataclass(frozen=True)
+class FuseReport:
+    """What ``fuse`` / ``unfuse`` wrote."""
+
+    output: str
+    tensors: int
+    unique_bytes: int
+    written_bytes: int
+    copied_bytes: int  # copied as file ranges, never decoded
+    steps: int  # steps in the recorded plan
+    ties: list[list[str]]
+
+
+def _checkpoint(ckpt, config: str | None, follow_symlinks: bool) -> Checkpoint:
+    if isinstance(ckpt, Checkpoint):
+        return ckpt
+    return open_checkpoint(os.fspath(ckpt), config, allow_outside_links=follow_symlinks)
+
+
+def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]:
+    """Each rules file path (or preset name) loaded against the checkpoint's config."""
+    return [load_rules_arg(os.fspath(r), checkpoint.config) for r in rules]
+
+
+def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect: bool,
+                    write_ties_once: bool) -> ParamTable:
+    table = checkpoint.table.copy()
+    for ruleset in rulesets:
+        declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
+    if detect:
+        declare_ties(table, detect_ties(table).groups, "--detect-ties")
+    if write_ties_once:
+        table.store_once()
+    return table
+
+
+def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool = False,
+         detect_ties: bool = False, write_ties_once: bool = False, follow_symlinks: bool = False) -> Planned:
+    """Bind ``rules`` (files or preset names, in order) to a checkpoint, from headers alone.
+
+    >>> planned = plan("fixtures/tiny-llama-gqa", ["llama-qkv"])
+    >>> [g.rule for g in planned.plan.groups]
+    ['attn-qkv']
+    """
+    if not rules:
+        raise PlanError("give at least one rules file or preset name")
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    rulesets = load_rulesets(checkpoint, rules)
+    table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
+    steps, result = make_plan(table, rulesets, untie)
+    return Planned(checkpoint, steps, result)
+
+
+def _write(checkpoint: Checkpoint, table: ParamTable, recorded: Plan, out, *, max_shard_size, force,
+           progress, on_note) -> FuseReport:
+    out = os.fspath(out)
+    report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
+                         companions=checkpoint.companions, max_shard_size=max_shard_size, force=force,
+                         progress=progress, on_note=on_note)
+    return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
+                      len(recorded.steps), table.ties())
+
+
+def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, force: bool = False,
+         untie: bool = False, detect_ties: bool = False, write_ties_once: bool = False,
+         config: str | None = None, follow_symlinks: bool = False, progress: bool | None = False,
+         on_note: Callable[[str], None] | None = None) -> FuseReport:
+    """Apply ``rules`` to a checkpoint and write ``out`` (``.safetensors``, ``.npz`` or a folder)
+    atomically, with the plan recorded as provenance (appended to the input's own)."""
+    planned = plan(ckpt, rules, config=config, untie=untie, detect_ties=detect_ties,
+                   write_ties_once=write_ties_once, follow_symlinks=follow_symlinks)
+    checkpoint = planned.checkpoint
+    history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
+    return _write(checkpoint, planned.table, history + planned.plan, out, max_shard_size=max_shard_size,
+                  force=force, progress=progress, on_note=on_note)
+
+
+def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,
+           untie: bool = False, write_ties_once: bool = False, config: str | None = None,
+           follow_symlinks: bool = False, progress: bool | None = False,
+           on_note: Callable[[str], None] | None = None) -> FuseReport:
+    """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order."""
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    if rules:
+        rulesets = [invert_ruleset(r) for r in reversed(load_rulesets(checkpoint, rules))]
+        steps, table = make_plan(_prepared_table(checkpoint, rulesets, False, write_ties_once), rulesets, untie)
+        history = (checkpoint.provenance.plan if checkpoint.provenance else Plan()) + steps
+    else:
+        if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
+            raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
+        start = checkpoint.table.copy()
+        if write_ties_once:
+            start.store_once()
+        table = replay_plan(start, checkpoint.provenance.plan.inverse(), f"{checkpoint.path} (provenance)", untie)
+        history = Plan()
+    return _write(checkpoint, table, history, out, max_shard_size=max_shard_size, force=force,
+                  progress=progress, on_note=on_note)
+
+
+def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, follow_symlinks: bool = False,
+           on_note: Callable[[str], None] | None = None):
+    """Rewrite ``graph`` (exported from the unfused model) to take the checkpoint's parameters;
+    an :class:`~fusectl.onnx.export.ExportReport`."""
+    from .onnx.export import export_model
+
+    return export_model(_checkpoint(ckpt, config, follow_symlinks), os.fspath(graph), os.fspath(out),
+                        force=force, on_note=on_note)
+
+
+def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "auto",
+           rtol: float | None = None, atol: float | None = None,
+           shapes: Mapping[str, tuple[int, ...]] | None = None, dims: Mapping[str, int] | None = None,
+           inputs: Mapping | None = None, seed: int = 0, config: str | None = None,
+           follow_symlinks: bool = False):
+    """Prove ``candidate`` computes what ``reference`` computes: two ``.onnx`` models run on
+    onnxruntime, or two checkpoints compared through the candidate's provenance (or ``rules``).
+    A :class:`~fusectl.verify.report.VerifyReport`; ``.passed`` says whether it did."""
+    from .verify.checkpoint_check import plan_for, verify_checkpoints
+    from .verify.model_check import verify_models
+
+    def is_graph(path) -> bool:
+        return not isinstance(path, Checkpoint) and os.fspath(path).endswith(".onnx")
+
+    if is_graph(reference) and is_graph(candidate):
+        return verify_models(os.fspath(reference), os.fspath(candidate), provider=provider, atol=atol, rtol=rtol,
+                             inputs=inputs or {}, shapes=shapes or {}, dims=dims or {}, seed=seed)
+    ref = _checkpoint(reference, config, follow_symlinks)
+    cand = _checkpoint(candidate, config, follow_symlinks)
+    return verify_checkpoints(ref, cand, plan_for(cand, load_rulesets(ref, rules), ref), provider=provider,
+                              atol=atol, rtol=rtol, seed=seed)
