@@ -15,33 +15,44 @@ from .io.provenance import METADATA_KEY, Provenance
 from .plan import Computation, ComputedTensor, Plan
 from .progress import Progress
 from .table import ParamTable
-from .tensors import ByteRange, LazyTensor, TensorSpec
+from .tensors import ByteRange, LazyTensor, TensorSpec, read_ranges
 
 
 class Materializer:
-    """Evaluates lazy tensors, keeping each computation's outputs only until their last use."""
+    """Evaluates lazy tensors, keeping each computation's outputs only until their last use.
+
+    A computed tensor that is a plain byte copy of its inputs (a part of a split, a stack, a
+    rename) is read from those bytes and never computes its computation: counting it as a use
+    of that computation would keep the computation's other outputs cached to the end.
+    """
 
     def __init__(self, roots: Sequence[LazyTensor]):
         self._uses: Counter[int] = Counter()
         self._cache: dict[int, list[np.ndarray]] = {}
         seen: set[int] = set()
-        stack = [t.computation for t in roots if isinstance(t, ComputedTensor)]
-        for t in roots:
-            if isinstance(t, ComputedTensor):
+        stack: list[Computation] = []
+
+        def use(t: LazyTensor) -> None:
+            if isinstance(t, ComputedTensor) and t.byte_ranges() is None:
                 self._uses[id(t.computation)] += 1
+                stack.append(t.computation)
+
+        for t in roots:
+            use(t)
         while stack:
             computation = stack.pop()
             if id(computation) in seen:
                 continue
             seen.add(id(computation))
             for t in computation.inputs:
-                if isinstance(t, ComputedTensor):
-                    self._uses[id(t.computation)] += 1
-                    stack.append(t.computation)
+                use(t)
 
     def array(self, tensor: LazyTensor) -> np.ndarray:
         if not isinstance(tensor, ComputedTensor):
             return tensor.read()
+        ranges = tensor.byte_ranges()
+        if ranges is not None:
+            return read_ranges(ranges, tensor.spec)
         computation = tensor.computation
         key = id(computation)
         if key not in self._cache:
@@ -51,6 +62,10 @@ class Materializer:
         if self._uses[key] == 0:
             del self._cache[key]
         return out
+
+    def cached(self) -> int:
+        """How many computations' outputs are held (0 once every use has been read)."""
+        return len(self._cache)
 
     def _compute(self, computation: Computation) -> list[np.ndarray]:
         arrays = [self.array(t) for t in computation.inputs]

@@ -453,3 +453,42 @@ def test_writer_invariants_are_real_errors_not_asserts(tmp_path):
     writer = SafetensorsWriter(str(tmp_path / "y.safetensors"), [("a", spec)], {})
     with pytest.raises(InternalError, match="never written"):
         writer.close()
+
+
+def test_nothing_stays_cached_when_some_outputs_of_a_step_are_copied_and_others_computed(tmp_path, monkeypatch):
+    """split, then transpose one part: the other part is written as a byte range and never
+    asks for the split's arrays, so counting it as a use kept them cached until the write
+    ended (memory growing with the checkpoint)."""
+    import fusectl.execute as execute
+    from conftest import run_cli, write_rules, write_safetensors
+
+    made = []
+
+    class Recording(execute.Materializer):
+        def __init__(self, roots):
+            super().__init__(roots)
+            made.append(self)
+
+    monkeypatch.setattr(execute, "Materializer", Recording)
+    src = tmp_path / "w.safetensors"
+    write_safetensors(src, {f"l{i}.w": np.arange(64, dtype=np.float32).reshape(8, 8) + i for i in range(3)})
+    rules = write_rules(tmp_path / "r.toml", """
+version = 1
+[[rule]]
+op = "split"
+input = "l{i:int}.w"
+outputs = ["l{i:int}.a", "l{i:int}.b"]
+[[rule]]
+op = "transpose"
+input = "l{i:int}.a"
+output = "l{i:int}.at"
+""")
+    out = tmp_path / "out.safetensors"
+    result = run_cli("fuse", src, "-r", rules, "-o", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["copied_bytes"] == 3 * 4 * 32  # the b parts, as ranges
+    (materializer,) = made
+    assert materializer.cached() == 0
+    back = safetensors.numpy.load_file(str(out))
+    np.testing.assert_array_equal(back["l1.at"], (np.arange(64, dtype=np.float32).reshape(8, 8) + 1)[:4].T)
+    np.testing.assert_array_equal(back["l2.b"], (np.arange(64, dtype=np.float32).reshape(8, 8) + 2)[4:])
