@@ -52,7 +52,7 @@ class Provenance:
         try:
             doc = load_json(text, where, "fusectl provenance")
         except MalformedJSON as e:
-            raise _unreadable(where, e.detail) from None
+            raise _unreadable(where, e.detail) from e
         if not isinstance(doc, dict):
             raise _unreadable(where, "it is not a JSON object")
         version = doc.get("format_version")
@@ -73,7 +73,7 @@ class Provenance:
                 _name(unique, f"the target of alias {quote(alias)}")
             return cls(_plan(doc.get("plan", _MISSING)), dict(aliases))
         except _Invalid as e:
-            raise _unreadable(where, str(e)) from None
+            raise _unreadable(where, str(e)) from e
 
 
 class _Invalid(Exception):
@@ -186,7 +186,7 @@ def _step(raw: object, what: str) -> Step:
     except FusectlError as e:
         raise _Invalid(f"{what}: {e}") from None
     except (TypeError, ValueError, ArithmeticError, IndexError, KeyError, AttributeError) as e:
-        raise _Invalid(f"{what}: {kind} cannot be rebuilt from these params ({type(e).__name__}: {e})") from None
+        raise _Invalid(f"{what}: {kind} cannot be rebuilt from these params ({type(e).__name__}: {e})") from e
     return step
 
 
@@ -287,4 +287,4 @@ def plan_from_json(raw: list, where: str = "the plan") -> Plan:
     try:
         return _plan(raw)
     except _Invalid as e:
-        raise _unreadable(where, str(e)) from None
+        raise _unreadable(where, str(e)) from e

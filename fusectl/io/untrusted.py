@@ -146,7 +146,7 @@ def load_json(text: bytes | str, where: str, what: str = "the JSON", *, object_p
     except _Refused as e:
         raise MalformedJSON(f"{where}: {what} {e}; the file is corrupt", str(e)) from None
     except json.JSONDecodeError as e:
-        raise MalformedJSON(f"{where}: {what} is not valid JSON ({e}); the file is corrupt", str(e)) from None
+        raise MalformedJSON(f"{where}: {what} is not valid JSON ({e}); the file is corrupt", str(e)) from e
     except RecursionError:  # the scan above bounds nesting; this is the parser's own guard
         check_limit("json-depth", limit("json-depth") + 1, f"{where}: {what} (at least)")
         raise
