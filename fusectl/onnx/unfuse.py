@@ -30,15 +30,15 @@ def unfuse_in_onnx(b, step: Step, fused: list) -> list:
         axis = op.axis % len(ins[0].shape)
         per = [s.shape[axis] // op.groups for s in ins]
         shape = list(outs[0].shape)
-        grouped = b.one("Reshape", [fused[0], b.ints(shape[:axis] + [op.groups, sum(per)] + shape[axis + 1:])])
+        grouped = _reshape(b, fused[0], shape[:axis] + [op.groups, sum(per)] + shape[axis + 1:])
         parts = b.node("Split", [grouped, b.ints(per)], len(ins), axis=axis + 1)
-        return [b.one("Reshape", [p, b.ints(list(s.shape))]) for p, s in zip(parts, ins)]
+        return [_reshape(b, p, list(s.shape)) for p, s in zip(parts, ins)]
     if kind == "deinterleave":
         axis = op.axis % len(ins[0].shape)
         shape = list(ins[0].shape)
-        grouped = [b.one("Reshape", [f, b.ints(shape[:axis] + [op.groups, s.shape[axis] // op.groups] + shape[axis + 1:])])
+        grouped = [_reshape(b, f, shape[:axis] + [op.groups, s.shape[axis] // op.groups] + shape[axis + 1:])
                    for f, s in zip(fused, outs)]
-        return [b.one("Reshape", [b.one("Concat", grouped, axis=axis + 1), b.ints(shape)])]
+        return [_reshape(b, b.one("Concat", grouped, axis=axis + 1), shape)]
     if kind == "stack":
         axis = op.axis % len(outs[0].shape)
         parts = b.node("Split", [fused[0], b.ints([1] * len(ins))], len(ins), axis=axis)
@@ -49,7 +49,7 @@ def unfuse_in_onnx(b, step: Step, fused: list) -> list:
     if kind == "transpose":
         return [b.one("Transpose", [fused[0]], perm=[int(p) for p in np.argsort(op.perm)])]
     if kind == "reshape":
-        return [b.one("Reshape", [fused[0], b.ints(list(ins[0].shape))])]
+        return [_reshape(b, fused[0], list(ins[0].shape))]
     if kind == "reorder":
         axis = op.axis % len(ins[0].shape)
         chunks = b.node("Split", [fused[0], b.ints([ins[0].shape[axis] // op.chunks] * op.chunks)],
@@ -62,7 +62,14 @@ def unfuse_in_onnx(b, step: Step, fused: list) -> list:
         half = rows // op.heads // 2
         # undo: to "hf" made (heads, 2, half) from Meta's (heads, half, 2)
         src = [op.heads, 2, half, cols] if op.to == "hf" else [op.heads, half, 2, cols]
-        grouped = b.one("Reshape", [fused[0], b.ints(src)])
+        grouped = _reshape(b, fused[0], src)
         swapped = b.one("Transpose", [grouped], perm=[0, 2, 1, 3])
-        return [b.one("Reshape", [swapped, b.ints(list(ins[0].shape))])]
+        return [_reshape(b, swapped, list(ins[0].shape))]
     raise ValueError(kind)  # pragma: no cover - PROBED lists the kinds handled
+
+
+def _reshape(b, value, shape: list[int]):
+    """Reshape to ``shape`` exactly: a 0 in it is an empty axis (``allowzero``, opset 14), not
+    ONNX's default "copy this axis from the input"."""
+    attrs = {"allowzero": 1} if 0 in shape else {}
+    return b.one("Reshape", [value, b.ints(shape)], **attrs)
