@@ -470,3 +470,18 @@ def test_model_input_options_with_checkpoints_are_exit_2(tmp_path, option, value
     result = run("verify", src, src, option, value)
     assert result.exit_code == 2
     assert result.output.startswith(f"error: {option} applies to two .onnx models")
+
+
+def test_verify_probes_an_empty_tensor(tmp_path):
+    """A reshape of an empty F32[0, 4] to [4, 0]: the probe's readout spells its width out, as
+    ONNX cannot infer -1 beside a zero."""
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((0, 4), np.float32), "x": np.ones((3, 4), np.float32)}, str(tmp_path / "m.safetensors"))
+    (tmp_path / "r.toml").write_text('version = 1\n[[rule]]\nop = "reshape"\ninput = "w"\noutput = "r"\nshape = [4, 0]\n')
+    fused = tmp_path / "f.safetensors"
+    result = run("fuse", tmp_path / "m.safetensors", "-r", tmp_path / "r.toml", "-o", fused)
+    assert result.exit_code == 0, result.output
+    result = run("verify", tmp_path / "m.safetensors", fused)
+    assert result.exit_code == 0, result.output
+    assert "PASS probe" in result.output

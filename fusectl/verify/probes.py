@@ -87,7 +87,8 @@ def _f32(array: np.ndarray) -> np.ndarray:
 def readout(b: GraphBuilder, value: str, shape: Sequence[int], x: str) -> str:
     """The probe layer on a parameter value of ``shape`` (x: [2, features])."""
     if len(shape) >= 2:
-        flat = b.one("Reshape", [value, b.ints([shape[0], -1])])
+        # the width spelled out, not -1: ONNX cannot infer -1 beside a zero (an empty tensor)
+        flat = b.one("Reshape", [value, b.ints([shape[0], readout_width(shape)])], allowzero=1)
         return b.one("MatMul", [x, b.one("Transpose", [flat], perm=[1, 0])])
     return b.one("Mul", [x, value])
 
