@@ -7,7 +7,7 @@ import time
 
 
 class Progress:
-    """Byte-count progress: ``fuse  42%  1.0/2.4 GB``, redrawn at most five times a second."""
+    """Byte-count progress: ``writing  42%  1.00/2.40 GB``, redrawn at most five times a second."""
 
     def __init__(self, label: str, total: int, enabled: bool | None = None):
         self.label, self.total, self.done = label, max(total, 1), 0
