@@ -12,6 +12,7 @@ import collections
 import json
 import os
 import struct
+import threading
 from typing import BinaryIO, Mapping, Sequence
 
 import numpy as np
@@ -327,15 +328,24 @@ class SafetensorsWriter:
 
 
 def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing a finished file to disk now, without waiting: the output
-    is fsynced before its rename, and writeback that overlaps the next file costs nothing there.
-    (Linux starts writeback of dirty pages on POSIX_FADV_DONTNEED; elsewhere this does nothing.)"""
+    """Ask the kernel to start writing a finished file to disk now, on a thread of its own: the
+    output is fsynced before its rename, and writeback that overlaps the next file costs
+    nothing there. (Linux starts writeback of dirty pages on POSIX_FADV_DONTNEED, and waits
+    for it to be queued: hence the thread; elsewhere this does nothing.)"""
     advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
+    if advise is None:
+        return
+    own = os.dup(fd)  # the writer closes its file at once
+
+    def run() -> None:
         try:
-            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            advise(own, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError:
             pass  # advice only
+        finally:
+            os.close(own)
+
+    threading.Thread(target=run, name="fusectl-writeback", daemon=True).start()
 
 
 def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | None) -> None:
