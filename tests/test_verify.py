@@ -425,7 +425,7 @@ def test_empty_input_shape_still_means_a_scalar(tmp_path):
     assert result.exit_code == 0, result.output
     assert _shapes(report) == {"x": [2], "s": []}
     result = run("verify", a, a, "--input", "x=")
-    assert result.exit_code == 2 and "input x has 1 dimensions, not 0" in result.output
+    assert result.exit_code == 2 and "input x has 1 dimension, not 0" in result.output
 
 
 def test_a_fixed_axis_of_the_other_model_sizes_the_named_dim(tmp_path):

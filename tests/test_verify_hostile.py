@@ -338,7 +338,7 @@ def test_inputs_past_the_size_budget_are_refused_before_decompressing(cli, tmp_p
 
 
 @pytest.mark.parametrize("array,needle", [
-    (np.zeros((1 << 20, 2), np.float32), "1 dimension(s), not 2"),  # wrong rank
+    (np.zeros((1 << 20, 2), np.float32), "1 dimension, not 2"),  # wrong rank
     (np.zeros(1 << 21, np.float32), "fixed at 4"),  # wrong size on a fixed axis
     (np.zeros(4, np.float64), "save it as float32"),  # wrong element type
 ])

@@ -189,13 +189,8 @@ def resolve_shapes(
         if name in shapes:
             shape = shapes[name]
             source = f"--input {name}={_shape_text(shape)}"
-            if len(shape) != len(axes):
-                raise VerifyError(f"{printable(source)}: {what}'s input {printable(name)} has "
-                                  f"{len(axes)} dimensions, not {len(shape)}")
-            for i, (d, v) in enumerate(zip(axes, shape)):
-                if isinstance(d, int) and d != v:
-                    raise VerifyError(f"{printable(source)}: axis {i} of {printable(name)} is fixed at {d} "
-                                      f"in {what}; give {d} there")
+            _check_axes(printable(source), name, axes, shape, what, "give {d} there", "")
+            for d, v in zip(axes, shape):
                 if isinstance(d, str):
                     bind(d, v, source, from_option=True)
     for name, axes in declared.items():
@@ -254,13 +249,9 @@ def _check_given(sess, given: Mapping[str, tuple[tuple[int, ...], np.dtype]], wh
         axes = declared[meta.name]
         where = f"--inputs array {printable(meta.name)} ({dtype}{list(shape)})"
         # onnxruntime reports an input of unknown rank as [], like a scalar: left to onnxruntime
-        if axes and len(shape) != len(axes):
-            raise VerifyError(f"{where}: {printable(what)}'s input {printable(meta.name)} has {len(axes)} "
-                              f"dimension(s), not {len(shape)}; save it with the model's shape")
-        for i, (d, v) in enumerate(zip(axes, shape)):
-            if isinstance(d, int) and d != v:
-                raise VerifyError(f"{where}: axis {i} of {printable(meta.name)} is fixed at {d} in "
-                                  f"{printable(what)}; save it with {d} there")
+        if axes:
+            _check_axes(where, meta.name, axes, shape, what, "save it with {d} there",
+                        "; save it with the model's shape")
         expected = _NUMPY_OF_ORT.get(meta.type)
         if expected is not None and np.dtype(dtype) != np.dtype(expected):
             raise VerifyError(f"{where}: {printable(what)}'s input {printable(meta.name)} is {meta.type}; "
@@ -329,3 +320,16 @@ def run(sess, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarra
         return dict(zip(names, sess.run(names, dict(feeds), options)))
     except Exception as e:  # onnxruntime raises its own exception types for failed kernels
         raise VerifyError(f"{printable(what)}: onnxruntime failed to run it: {one_line(e)}") from e
+
+
+def _check_axes(where: str, name: str, axes, shape, what: str, fix: str, rank_fix: str) -> None:
+    """VerifyError unless ``shape`` has the input's rank and its fixed sizes; ``fix`` says what
+    to do about a size (``{d}``: the size the model fixes), ``rank_fix`` about the rank."""
+    if len(shape) != len(axes):
+        noun = "dimension" if len(axes) == 1 else "dimensions"
+        raise VerifyError(f"{where}: {printable(what)}'s input {printable(name)} has {len(axes)} "
+                          f"{noun}, not {len(shape)}{rank_fix}")
+    for i, (d, v) in enumerate(zip(axes, shape)):
+        if isinstance(d, int) and d != v:
+            raise VerifyError(f"{where}: axis {i} of {printable(name)} is fixed at {d} in "
+                              f"{printable(what)}; {fix.format(d=d)}")
