@@ -16,15 +16,25 @@ def load_model(path: str):
     whose external data lies outside its folder."""
     import onnx_ir as ir
 
-    external_data_files(path)  # a regular file whose external data stays in its folder
+    check_model_file(path)
     try:
-        return ir.load(path)
+        model = ir.load(path)  # lazy: external data is only mapped when a tensor is read
     except Exception as e:  # protobuf and onnx raise a variety of types for corrupt files
         cause = e
         while cause.__cause__ is not None:  # onnx-ir wraps the reason ("Map types are not supported")
             cause = cause.__cause__
         reason = " ".join(str(cause).split())[:300]
         raise CheckpointError(f"{printable(path)}: not a readable ONNX model ({printable(reason)})") from e
+    # checked on the loaded model, before any tensor is read: parsing the file a second time
+    # with onnx (as external_data_files does for onnxruntime) would cost a model's size again
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                _check_location(path, folder, value.name, str(tensor.location),
+                                str(tensor.offset or 0), None if tensor.length is None else str(tensor.length))
+    return model
 
 
 def initializer_views(model):
@@ -98,32 +108,40 @@ def external_data_files(path: str) -> list[str]:
         if tensor.data_location != TensorProto.EXTERNAL:
             continue
         entries = {entry.key: entry.value for entry in tensor.external_data}
-        location = entries.get("location", "")
-        where = f"{printable(path)}: tensor {quote(tensor.name)} keeps its data in {quote(location)}"
-        if not location:
-            raise CheckpointError(f"{printable(path)}: tensor {quote(tensor.name)} is marked external but names "
-                                  "no location; re-export the model")
-        if os.path.isabs(location) or os.path.splitdrive(location)[0]:
-            raise CheckpointError(f"{where}, an absolute path; external data must lie in the model's folder "
-                                  f"{printable(folder)}: move it there and give a relative location")
-        target = os.path.realpath(os.path.join(folder, location))
-        if not target.startswith(folder + os.sep):
-            raise CheckpointError(f"{where}, outside the model's folder {printable(folder)}; external data must "
-                                  "lie in that folder (links resolved): move it there and fix the location")
-        try:
-            info = os.stat(target)
-        except OSError:
-            raise CheckpointError(f"{where}, which does not exist; put the file beside the model") from None
-        if not stat.S_ISREG(info.st_mode) or is_generated(target):
-            raise CheckpointError(f"{where}, which is not a regular file; external data must be a plain file")
-        try:
-            offset = int(entries.get("offset", "0"))
-            length = int(entries["length"]) if "length" in entries else info.st_size - offset
-        except ValueError:
-            raise CheckpointError(f"{where} with offset {quote(entries.get('offset', ''))} and length "
-                                  f"{quote(entries.get('length', ''))}, not whole numbers; re-export the model") from None
-        if offset < 0 or length < 0 or offset + length > info.st_size:
-            raise CheckpointError(f"{where} at bytes {offset}..{offset + length}, past the file's end "
-                                  f"({info.st_size} bytes); the file is truncated or not this model's")
+        target = _check_location(path, folder, tensor.name, entries.get("location", ""),
+                                 entries.get("offset", "0"), entries.get("length"))
         files[target] = None
     return list(files)
+
+
+def _check_location(path: str, folder: str, name: str, location: str, offset_text: str,
+                    length_text: str | None) -> str:
+    """The resolved file of one external tensor; CheckpointError unless it is a regular file
+    inside the model's ``folder`` that holds ``offset`` + ``length`` bytes."""
+    where = f"{printable(path)}: tensor {quote(name)} keeps its data in {quote(location)}"
+    if not location:
+        raise CheckpointError(f"{printable(path)}: tensor {quote(name)} is marked external but names "
+                              "no location; re-export the model")
+    if os.path.isabs(location) or os.path.splitdrive(location)[0]:
+        raise CheckpointError(f"{where}, an absolute path; external data must lie in the model's folder "
+                              f"{printable(folder)}: move it there and give a relative location")
+    target = os.path.realpath(os.path.join(folder, location))
+    if not target.startswith(folder + os.sep):
+        raise CheckpointError(f"{where}, outside the model's folder {printable(folder)}; external data must "
+                              "lie in that folder (links resolved): move it there and fix the location")
+    try:
+        info = os.stat(target)
+    except OSError:
+        raise CheckpointError(f"{where}, which does not exist; put the file beside the model") from None
+    if not stat.S_ISREG(info.st_mode) or is_generated(target):
+        raise CheckpointError(f"{where}, which is not a regular file; external data must be a plain file")
+    try:
+        offset = int(offset_text)
+        length = int(length_text) if length_text is not None else info.st_size - offset
+    except ValueError:
+        raise CheckpointError(f"{where} with offset {quote(offset_text)} and length {quote(length_text or '')}, "
+                              "not whole numbers; re-export the model") from None
+    if offset < 0 or length < 0 or offset + length > info.st_size:
+        raise CheckpointError(f"{where} at bytes {offset}..{offset + length}, past the file's end "
+                              f"({info.st_size} bytes); the file is truncated or not this model's")
+    return target

@@ -86,21 +86,30 @@ def _pair_close(table, initializers, initializer_specs, matched_graph, matched_u
             left.setdefault((dtype, shape[::-1]), []).append((tensor, True))
         elif len(shape) == 2:
             left[(dtype, shape)].append((tensor, True))
-    candidates = [(name, left[key]) for name in initializers if name not in matched_graph
-                  for key in [(initializer_specs[name][0], tuple(initializer_specs[name][1]))] if key in left]
-    if not candidates or sum(len(ts) for _, ts in candidates) > MAX_CLOSE_CANDIDATES:
+    # each left tensor is read once per orientation and compared with the initializers of its shape, one at a
+    # time: memory holds one tensor and one initializer, never the whole candidate set
+    by_key: dict[tuple, list[str]] = {}
+    for name in initializers:
+        if name not in matched_graph:
+            dtype, shape = initializer_specs[name]
+            by_key.setdefault((dtype, tuple(shape)), []).append(name)
+    work = [(tensor, transposed, by_key[key]) for key, entries in left.items() if key in by_key
+            for tensor, transposed in entries]
+    if not work or sum(len(names) for _, _, names in work) > MAX_CLOSE_CANDIDATES:
         return
-    arrays: dict[int, np.ndarray] = {}
-    for name, tensors in candidates:
-        theirs = np.asarray(initializers[name](), np.float64)
-        for tensor, transposed in tensors:
-            if id(tensor) in matched_unique:
+    for tensor, transposed, names in sorted(work, key=lambda w: w[1]):  # as is before transposed
+        if id(tensor) in matched_unique:
+            continue
+        mine = np.asarray(Materializer([tensor]).array(tensor), np.float64)
+        mine = mine.T if transposed else mine
+        if not np.all(np.isfinite(mine)):
+            continue
+        atol, rtol = default_tolerance(tensor.spec.dtype.numpy)
+        for name in names:
+            if name in matched_graph:
                 continue
-            if id(tensor) not in arrays:
-                arrays[id(tensor)] = np.asarray(Materializer([tensor]).array(tensor), np.float64)
-            mine = arrays[id(tensor)].T if transposed else arrays[id(tensor)]
-            atol, rtol = default_tolerance(tensor.spec.dtype.numpy)
-            if np.all(np.isfinite(mine)) and np.all(np.abs(mine - theirs) <= atol + rtol * np.abs(theirs)):
+            theirs = np.asarray(initializers[name](), np.float64)
+            if np.all(np.abs(mine - theirs) <= atol + rtol * np.abs(theirs)):
                 add(id(tensor), name, "transposed" if transposed else "content", "close")
                 break
 
