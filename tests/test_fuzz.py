@@ -40,6 +40,13 @@ def dumps(doc) -> str:
     return text
 
 
+def fuzz_case(tmp_path: Path, family: str, case: int, fixture: str) -> tuple[random.Random, Path]:
+    """The case's own random stream, and a copy of ``fixture`` under tmp_path/in to mutate."""
+    src = tmp_path / "in"
+    shutil.copytree(FIXTURES / fixture, src)
+    return random.Random(f"{SEED}-{family}-{case}"), src
+
+
 def check_contract(args, *, culprit: Path, inputs: Path, out: Path | None, rejected_by_library=False,
                    also_named: tuple[str, ...] = ()):
     """Run fusectl ARGS and check the contract; returns the result. An error must name the
@@ -166,9 +173,7 @@ def _library_rejects(path: Path) -> bool:
 
 @pytest.mark.parametrize("case", range(CASES))
 def test_fuzzed_safetensors_file(tmp_path, case):
-    rng = random.Random(f"{SEED}-file-{case}")
-    src = tmp_path / "in"
-    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    rng, src = fuzz_case(tmp_path, "file", case, "tiny-llama-gqa")
     weights = src / "model.safetensors"
     weights.write_bytes(_mutate_safetensors(rng, weights.read_bytes()))
     rejected = _library_rejects(weights)
@@ -213,9 +218,7 @@ def _mutate_index(rng: random.Random, index: dict) -> object:
 
 @pytest.mark.parametrize("case", range(CASES // 2))
 def test_fuzzed_index(tmp_path, case):
-    rng = random.Random(f"{SEED}-index-{case}")
-    src = tmp_path / "in"
-    shutil.copytree(FIXTURES / "tiny-llama-gqa-bf16-sharded", src)
+    rng, src = fuzz_case(tmp_path, "index", case, "tiny-llama-gqa-bf16-sharded")
     index = src / "model.safetensors.index.json"
     mutated = _mutate_index(rng, json.loads(index.read_text()))
     text = dumps(mutated) if rng.random() < 0.9 else index.read_text()[: rng.randrange(50, 500)]
@@ -230,9 +233,7 @@ def test_fuzzed_index(tmp_path, case):
 
 @pytest.mark.parametrize("case", range(CASES // 2))
 def test_fuzzed_config(tmp_path, case):
-    rng = random.Random(f"{SEED}-config-{case}")
-    src = tmp_path / "in"
-    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    rng, src = fuzz_case(tmp_path, "config", case, "tiny-llama-gqa")
     config = src / "config.json"
     doc = json.loads(config.read_text())
     key = rng.choice(["num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
@@ -376,9 +377,7 @@ def _random_rules(rng: random.Random) -> str:
 
 @pytest.mark.parametrize("case", range(CASES * 2))
 def test_fuzzed_rules_file(tmp_path, case):
-    rng = random.Random(f"{SEED}-rules-{case}")
-    src = tmp_path / "in"
-    shutil.copytree(FIXTURES / "tiny-llama-gqa", src)
+    rng, src = fuzz_case(tmp_path, "rules", case, "tiny-llama-gqa")
     rules = src / "rules.toml"
     rules.write_text(_random_rules(rng))
     check_contract(["plan", src / "model.safetensors", "-r", rules, "--config", src / "config.json"],

@@ -19,6 +19,14 @@ def ckpt(tmp_path):
     return path
 
 
+def refused_to_write(cli, ckpt, rules, tmp_path, *needles):
+    """fuse is refused as plan was: the same message, no output, nothing left, input unchanged."""
+    out = tmp_path / "refused-out.safetensors"
+    before = snapshot(ckpt.parent)
+    refused(cli("fuse", ckpt, "-r", rules, "-o", out), *needles)
+    assert not out.exists() and leftovers(tmp_path) == [] and snapshot(ckpt.parent) == before
+
+
 def refused(result, *needles):
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error:") and "internal error" not in result.stderr, result.stderr
@@ -41,6 +49,7 @@ order = [0]
     rss = psutil.Process().memory_info().rss
     started = time.monotonic()
     refused(cli("plan", ckpt, "-r", rules), "1000000000", "FUSECTL_MAX_CHUNKS")
+    refused_to_write(cli, ckpt, rules, tmp_path, "FUSECTL_MAX_CHUNKS")
     assert time.monotonic() - started < 2
     assert psutil.Process().memory_info().rss - rss < 100 << 20
 
@@ -58,6 +67,7 @@ def test_reshape_sizes_that_overflow_int64_are_refused(cli, ckpt, tmp_path):
     rules = write_rules(tmp_path / "r.toml", "version = 1\n[[rule]]\nop = \"reshape\"\ninput = \"w\"\n"
                                              "output = \"w2\"\nshape = [4294967296, 4294967296, 4]\n")
     refused(cli("plan", ckpt, "-r", rules), "cannot reshape")
+    refused_to_write(cli, ckpt, rules, tmp_path, "cannot reshape")
 
 
 def test_unfuse_r_of_a_rename_that_drops_a_placeholder_says_why(cli, tmp_path):
@@ -80,6 +90,7 @@ def test_a_refuse_message_cannot_print_control_characters(cli, ckpt, tmp_path):
     result = refused(cli("plan", ckpt, "-r", rules), "\\x1b[2J\\x07wiped")
     assert "\x1b" not in result.stderr and "\x07" not in result.stderr
     assert snapshot(ckpt.parent) == before
+    refused_to_write(cli, ckpt, rules, tmp_path, "\\x1b[2J\\x07wiped")
 
 
 def test_a_rules_file_with_no_rules_is_refused_instead_of_writing_a_copy(cli, ckpt, tmp_path):
@@ -173,6 +184,7 @@ def test_a_fold_over_inputs_that_hold_nan_names_them(cli, tmp_path):
 def test_malformed_values_in_a_rules_file_are_rule_errors(cli, ckpt, tmp_path, line, needle):
     rules = write_rules(tmp_path / "bad.toml", f"version = 1\n[[rule]]\n{line}\n")
     refused(cli("plan", ckpt, "-r", rules), "bad.toml", needle)
+    refused_to_write(cli, ckpt, rules, tmp_path, "bad.toml", needle)
 
 
 def test_a_sequential_conv_transpose_before_a_batchnorm_is_not_folded_as_a_conv(cli, tmp_path):
@@ -185,3 +197,4 @@ def test_a_sequential_conv_transpose_before_a_batchnorm_is_not_folded_as_a_conv(
                              **{f"dec.1.{p}": np.ones(4, np.float32) for p in ("weight", "bias", "running_mean", "running_var")}})
     refused(cli("plan", path, "-r", "conv-bn-fold"), "'dec.0.weight' has 8 output channels as a conv weight",
             'layer = "conv_transpose"')
+    refused_to_write(cli, path, "conv-bn-fold", tmp_path, 'layer = "conv_transpose"')
