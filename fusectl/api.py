@@ -20,20 +20,24 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from .errors import PlanError
-from .execute import write_table
+from .executor import run_plan
 from .io.checkpoint import Checkpoint, open_checkpoint
-from .plan import Plan, make_plan, replay_plan
+from .plan import Plan
+from .planner import make_plan
 from .rules.inverse import invert_ruleset
 from .rules.presets import load_rules_arg
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
+from .write import write_table
 
 @dataclass(frozen=True)
 class Planned:
-    """A checkpoint with rules bound to it: the plan and the table it produces."""
+    """A checkpoint with rules bound to it: the table they start from (the checkpoint's, with
+    declared ties), the plan, and the table running the plan makes."""
 
     checkpoint: Checkpoint
+    start: ParamTable
     plan: Plan
     table: ParamTable
 
@@ -88,7 +92,7 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     rulesets = load_rulesets(checkpoint, rules)
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
     steps, result = make_plan(table, rulesets, untie)
-    return Planned(checkpoint, steps, result)
+    return Planned(checkpoint, table, steps, result)
 
 
 def _write(checkpoint: Checkpoint, table: ParamTable, recorded: Plan, out, *, max_shard_size, force,
@@ -111,7 +115,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
                    write_ties_once=write_ties_once, follow_symlinks=follow_symlinks)
     checkpoint = planned.checkpoint
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
-    return _write(checkpoint, planned.table, history + planned.plan, out, max_shard_size=max_shard_size,
+    result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
+    return _write(checkpoint, result, history + planned.plan, out, max_shard_size=max_shard_size,
                   force=force, progress=progress, on_note=on_note)
 
 
@@ -123,7 +128,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
     if rules:
         rulesets = [invert_ruleset(r) for r in reversed(load_rulesets(checkpoint, rules))]
-        steps, table = make_plan(_prepared_table(checkpoint, rulesets, False, write_ties_once), rulesets, untie)
+        start = _prepared_table(checkpoint, rulesets, False, write_ties_once)
+        steps, _ = make_plan(start, rulesets, untie)
+        table = run_plan(start, steps, str(checkpoint.path), untie)
         history = (checkpoint.provenance.plan if checkpoint.provenance else Plan()) + steps
     else:
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
@@ -131,7 +138,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         start = checkpoint.table.copy()
         if write_ties_once:
             start.store_once()
-        table = replay_plan(start, checkpoint.provenance.plan.inverse(), f"{checkpoint.path} (provenance)", untie)
+        table = run_plan(start, checkpoint.provenance.plan.inverse(), f"{checkpoint.path} (provenance)", untie)
         history = Plan()
     return _write(checkpoint, table, history, out, max_shard_size=max_shard_size, force=force,
                   progress=progress, on_note=on_note)

@@ -26,6 +26,8 @@ class ParamTable:
     entries: dict[str, LazyTensor] = field(default_factory=dict)
     # names physically stored in the input: a tie group's unique name is one of them
     stored: set[str] = field(default_factory=set)
+    # groups(), kept until the entries change (inspect of 10^6 names asks for it several times)
+    _groups: dict[int, list[str]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_stored(cls, stored: Mapping[str, LazyTensor]) -> "ParamTable":
@@ -49,11 +51,14 @@ class ParamTable:
         return sorted(n for n, t in self.entries.items() if t is tensor)
 
     def groups(self) -> dict[int, list[str]]:
-        """Structural names grouped by unique tensor, keyed by the tensor's id."""
-        out: dict[int, list[str]] = {}
-        for name in sorted(self.entries):
-            out.setdefault(id(self.entries[name]), []).append(name)
-        return out
+        """Structural names grouped by unique tensor, keyed by the tensor's id (cached until the
+        entries change: read it, don't modify it)."""
+        if self._groups is None:
+            out: dict[int, list[str]] = {}
+            for name in sorted(self.entries):
+                out.setdefault(id(self.entries[name]), []).append(name)
+            self._groups = out
+        return self._groups
 
     def ties(self) -> list[list[str]]:
         """Tie groups (two or more names), each sorted, ordered by first name."""
@@ -100,9 +105,22 @@ class ParamTable:
             chosen = self._chosen(members)
             self.stored -= set(members) - {chosen}
 
+    def remove(self, names: Iterable[str]) -> None:
+        """Forget ``names`` (a step consumed them)."""
+        self._groups = None
+        for name in list(names):
+            del self.entries[name]
+            self.stored.discard(name)
+
+    def add(self, entries: Mapping[str, LazyTensor]) -> None:
+        """New names (a step's outputs, or names recovered from a plan)."""
+        self._groups = None
+        self.entries.update(entries)
+
     def tie(self, names: Iterable[str], *, keep: str) -> None:
         """Make every name in ``names`` refer to ``keep``'s tensor."""
         tensor = self.entries[keep]
+        self._groups = None
         for name in names:
             old = self.entries.get(name)
             if old is not None and old is not tensor and old.spec != tensor.spec:

@@ -43,10 +43,18 @@ class ByteRange:
 
 
 class LazyTensor:
-    """A tensor whose spec is known and whose data is produced on demand."""
+    """The tensor protocol: a spec known from headers, data produced on demand.
+
+    Every kind implements it: a file range (:class:`FileTensor`), a compressed npz member, an
+    output of a planned step (``fusectl.executor.StepOutput``), a name known only from a plan.
+    """
 
     __slots__ = ()  # subclasses may keep theirs in slots: a header can hold 10^6 tensors
     spec: TensorSpec
+
+    def read(self) -> np.ndarray:
+        """The tensor's data as a fresh array of ``spec`` (uint8 bytes for packed dtypes)."""
+        raise NotImplementedError
 
     def byte_ranges(self) -> tuple[ByteRange, ...] | None:
         """The tensor's bytes as file ranges, when they can be copied without decoding."""

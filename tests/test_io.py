@@ -301,7 +301,7 @@ def _table_from_file(path):
 
 @pytest.mark.parametrize("max_size", [64, 300, 1000, 10**9])
 def test_folder_output_shards_under_max_size(tmp_path, max_size):
-    from fusectl.execute import write_table
+    from fusectl.write import write_table
     from fusectl.plan import Plan
 
     arrays = {f"layer.{k}.w": sample("F32", (k + 1, 16), k) for k in range(8)}  # 64..512 bytes
@@ -459,17 +459,17 @@ def test_nothing_stays_cached_when_some_outputs_of_a_step_are_copied_and_others_
     """split, then transpose one part: the other part is written as a byte range and never
     asks for the split's arrays, so counting it as a use kept them cached until the write
     ended (memory growing with the checkpoint)."""
-    import fusectl.execute as execute
+    import fusectl.write as write
     from conftest import run_cli, write_rules, write_safetensors
 
     made = []
 
-    class Recording(execute.Materializer):
+    class Recording(write.Evaluation):
         def __init__(self, roots):
             super().__init__(roots)
             made.append(self)
 
-    monkeypatch.setattr(execute, "Materializer", Recording)
+    monkeypatch.setattr(write, "Evaluation", Recording)
     src = tmp_path / "w.safetensors"
     write_safetensors(src, {f"l{i}.w": np.arange(64, dtype=np.float32).reshape(8, 8) + i for i in range(3)})
     rules = write_rules(tmp_path / "r.toml", """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -366,3 +367,161 @@ def test_an_export_with_external_data_is_written_whole_or_not_at_all(tmp_path, m
     result = run("export", fused, "--graph", ONNX / "bert" / "model.onnx", "-o", third)
     assert result.exit_code == 2 and "No space left on device" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fused", "out.onnx", "out.onnx.data", "second.onnx.data"]
+
+
+# ------------------------------------------- external data: the model and OUT.data as one output
+
+
+@pytest.fixture
+def wnconv_fused(tmp_path):
+    fused = tmp_path / "fused"
+    ok(run("fuse", ONNX / "wnconv", "-r", "weight-norm-fold", "-o", fused, "--quiet"))
+    return fused
+
+
+@pytest.fixture
+def small_threshold(monkeypatch):
+    """Models past a few bytes take external data, as models past 2 GB do."""
+    import fusectl.onnx.export as export
+
+    monkeypatch.setattr(export, "EXTERNAL_DATA_THRESHOLD", 16)
+
+
+def export_api(fused, out, **kwargs):
+    from fusectl.io.checkpoint import open_checkpoint
+    from fusectl.onnx.export import export_model
+
+    return export_model(open_checkpoint(str(fused)), str(ONNX / "wnconv" / "model.onnx"), str(out), **kwargs)
+
+
+def names_in(folder) -> list[str]:
+    return sorted(p.name for p in Path(folder).iterdir())
+
+
+def test_past_the_threshold_the_model_keeps_its_tensors_in_out_data_beside_it(tmp_path, wnconv_fused,
+                                                                            monkeypatch):
+    import fusectl.onnx.export as export
+
+    inline = tmp_path / "inline.onnx"
+    ok(run("export", wnconv_fused, "--graph", ONNX / "wnconv" / "model.onnx", "-o", inline))
+    assert not (tmp_path / "inline.onnx.data").exists()
+    monkeypatch.setattr(export, "EXTERNAL_DATA_THRESHOLD", 16)
+    out = tmp_path / "sub" / "out.onnx"
+    out.parent.mkdir()
+    report = json.loads(ok(run("export", wnconv_fused, "--graph", ONNX / "wnconv" / "model.onnx", "-o", out,
+                               "--json")).output)
+    assert report["external_data"] is True and names_in(out.parent) == ["out.onnx", "out.onnx.data"]
+    model = onnx.load(str(out), load_external_data=False)
+    locations = {e.value for i in model.graph.initializer if i.data_location == TensorProto.EXTERNAL
+                 for e in i.external_data if e.key == "location"}
+    assert locations == {"out.onnx.data"}  # relative: the pair can move together
+    assert len(model.graph.initializer) == report["initializers"]
+    onnx.checker.check_model(str(out))
+    io = dict(np.load(ONNX / "wnconv" / "io.npz"))
+    got, expected = run_model(out, io), run_model(inline, io)
+    assert got.keys() == expected.keys() == {"y"}
+    np.testing.assert_array_equal(got["y"], expected["y"])
+    np.testing.assert_allclose(got["y"], io["y"], atol=1e-4, rtol=0)
+
+
+def _fail_in_save(monkeypatch, error):
+    import onnx_ir
+
+    real = onnx_ir.save
+
+    def save(model, path, **kwargs):
+        real(model, path, **kwargs)  # the staged files are written, then the save fails
+        raise error
+
+    monkeypatch.setattr(onnx_ir, "save", save)
+
+
+def _fail_in_checker(monkeypatch, error):
+    def check_model(path, *args, **kwargs):
+        assert os.path.isfile(path) and os.path.isfile(os.path.join(os.path.dirname(path), "out.onnx.data"))
+        raise error
+
+    monkeypatch.setattr(onnx.checker, "check_model", check_model)
+
+
+FAILURES = {
+    "save-oserror": (_fail_in_save, lambda: OSError("disk on fire"), OSError),
+    "save-interrupted": (_fail_in_save, KeyboardInterrupt, KeyboardInterrupt),
+    "checker-refuses": (_fail_in_checker, lambda: onnx.checker.ValidationError("bad graph"), Exception),
+    "checker-interrupted": (_fail_in_checker, KeyboardInterrupt, KeyboardInterrupt),
+}
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+@pytest.mark.parametrize("existing", [False, True], ids=["no-old-output", "old-pair"])
+def test_a_failed_external_data_export_leaves_nothing_and_an_old_pair_whole(tmp_path, wnconv_fused, monkeypatch,
+                                                                          small_threshold, failure, existing):
+    from fusectl.onnx.export import ExportError
+
+    out = tmp_path / "out.onnx"
+    if existing:
+        out.write_bytes(b"old model")
+        (tmp_path / "out.onnx.data").write_bytes(b"old data")
+    before = names_in(tmp_path)
+    inject, error, raised = FAILURES[failure]
+    inject(monkeypatch, error())
+    with pytest.raises(raised) as caught:
+        export_api(wnconv_fused, out, force=True)
+    if failure == "checker-refuses":
+        assert isinstance(caught.value, ExportError) and "fails onnx.checker: bad graph" in str(caught.value)
+    assert names_in(tmp_path) == before  # no temporary, staged or set-aside file either
+    if existing:
+        assert out.read_bytes() == b"old model" and (tmp_path / "out.onnx.data").read_bytes() == b"old data"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["no-old-output", "old-pair"])
+def test_an_export_that_fails_between_its_two_renames_puts_the_old_pair_back(tmp_path, wnconv_fused, monkeypatch,
+                                                                           small_threshold, existing):
+    """The new data file is in place, the model's rename fails: the old pair comes back whole
+    (or, with none, the new data file goes)."""
+    out = tmp_path / "out.onnx"
+    if existing:
+        out.write_bytes(b"old model")
+        (tmp_path / "out.onnx.data").write_bytes(b"old data")
+    before = names_in(tmp_path)
+    real = os.rename
+    target = os.path.realpath(out)
+    renames = []
+
+    def rename(src, dst):
+        renames.append(os.path.basename(dst))
+        if dst == target and "fusectl-tmp" in os.path.basename(src):
+            assert (tmp_path / "out.onnx.data").read_bytes() != b"old data"  # the new data is in place
+            raise OSError("rename failed")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="rename failed"):
+        export_api(wnconv_fused, out, force=True)
+    assert "out.onnx" in renames
+    assert names_in(tmp_path) == before
+    if existing:
+        assert out.read_bytes() == b"old model" and (tmp_path / "out.onnx.data").read_bytes() == b"old data"
+
+
+def test_a_failure_after_both_renames_keeps_the_new_pair(tmp_path, wnconv_fused, monkeypatch, small_threshold):
+    """Flushing the folder fails once the new model is in place: the new pair stays, consistent,
+    and the old data file set aside goes."""
+    import fusectl.io.output as output
+
+    out = tmp_path / "out.onnx"
+    out.write_bytes(b"old model")
+    (tmp_path / "out.onnx.data").write_bytes(b"old data")
+    real = output._sync
+
+    def sync(path):
+        if os.path.isdir(path):
+            raise OSError("folder flush failed")
+        real(path)
+
+    monkeypatch.setattr(output, "_sync", sync)
+    with pytest.raises(OSError, match="folder flush failed"):
+        export_api(wnconv_fused, out, force=True)
+    assert names_in(tmp_path) == ["fused", "out.onnx", "out.onnx.data"]
+    io = dict(np.load(ONNX / "wnconv" / "io.npz"))
+    np.testing.assert_allclose(run_model(out, io)["y"], io["y"], atol=1e-4, rtol=0)

@@ -1,8 +1,8 @@
-"""onnx/unfuse.py: the ONNX ops that undo a planned layout step, run on onnxruntime (CPU).
+"""``Op.onnx_unfuse``: the ONNX ops that undo a planned layout step, run on onnxruntime (CPU).
 
 Each case binds a one-rule file to a small safetensors checkpoint, takes the planned step,
 computes the fused tensors with the step's own op (``op.apply``) and feeds them to the
-un-fuse subgraph, built with both of the module's callers' builders: the probes'
+op's un-fuse subgraph, built with both of its callers' builders: the probes'
 GraphBuilder (fused data as initializers) and export's IRBuilder (fused data as graph
 inputs). The result must be the step's inputs, bitwise, with their dtype and shape.
 Random data makes every element distinct, so a wrong axis, order or permutation fails.
@@ -21,12 +21,22 @@ from safetensors.numpy import save_file
 
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.onnx.export import IRBuilder
-from fusectl.onnx.unfuse import LAYOUT_KINDS, unfuse_in_onnx
-from fusectl.plan import Step, make_plan
+from fusectl.ops import OPS
+from fusectl.plan import Step
 from fusectl.rules.schema import load_rules
 from fusectl.verify.probes import OPSET, GraphBuilder
 
+try:  # make_plan is moving from plan.py to planner.py
+    from fusectl.planner import make_plan
+except ImportError:
+    from fusectl.plan import make_plan
+
 DTYPES = [np.float32, np.float16, np.int64]
+UNFUSABLE = {kind for kind, op in OPS.items() if op.onnx_unfusable}
+
+
+def unfuse(b, step: Step, fused: list) -> list:
+    return step.op.onnx_unfuse(b, step.input_specs, step.output_specs, fused)
 
 
 def rule(op: str, body: str) -> str:
@@ -110,7 +120,7 @@ def planned_step(tmp_path, rules_text: str, tensors: dict[str, np.ndarray]) -> S
 def unfuse_with_graph_builder(step: Step, fused: list[np.ndarray]) -> list[np.ndarray]:
     """As the probes build it: onnx.helper nodes, the fused tensors as initializers."""
     b = GraphBuilder()
-    recovered = unfuse_in_onnx(b, step, [b.const(a, "p") for a in fused])
+    recovered = unfuse(b, step, [b.const(a, "p") for a in fused])
     for k, (value, spec) in enumerate(zip(recovered, step.input_specs)):
         # GraphBuilder.output declares float32; declare the step's own dtype instead
         b.nodes.append(helper.make_node("Identity", [value], [f"y{k}"]))
@@ -125,7 +135,7 @@ def unfuse_with_ir_builder(step: Step, fused: list[np.ndarray]) -> list[np.ndarr
               for k, a in enumerate(fused)]
     graph = ir.Graph(inputs, [], nodes=[], opset_imports={"": OPSET}, name="unfuse")
     b = IRBuilder(graph)
-    recovered = unfuse_in_onnx(b, step, list(inputs))
+    recovered = unfuse(b, step, list(inputs))
     for k, value in enumerate(recovered):
         value.name = f"y{k}"
         graph.outputs.append(value)
@@ -164,9 +174,9 @@ def test_unfusing_the_fused_tensors_in_onnx_gives_back_the_inputs_bitwise(tmp_pa
     assert_bitwise(BUILDERS[builder](step, fused), inputs)
 
 
-def test_the_cases_cover_every_layout_kind_and_branch():
+def test_the_cases_cover_every_unfusable_op_and_branch():
     ops = [tomllib.loads(c[1])["rule"][0] for c in CASES]
-    assert {op["op"] for op in ops} == LAYOUT_KINDS
+    assert {op["op"] for op in ops} == UNFUSABLE
     for kind in ("concat", "split", "interleave", "deinterleave", "stack", "unstack", "reorder"):
         assert {op.get("axis", 0) != 0 for op in ops if op["op"] == kind} == {False, True}, kind
     assert any(op["groups"] > 1 for op in ops if op["op"] == "interleave")
@@ -174,7 +184,7 @@ def test_the_cases_cover_every_layout_kind_and_branch():
 
 
 # Empty tensors: ONNX Reshape reads a 0 in the target shape as "copy this input dimension"
-# unless allowzero = 1, so the un-fuse Reshapes of unfuse.py fail (or mis-shape) on them,
+# unless allowzero = 1, so the ops' un-fuse Reshapes fail (or mis-shape) on them,
 # and `fusectl verify` exits 2 on a correct fuse. Strict: these start passing when fixed.
 EMPTY_CASES = [
     ("reshape-empty", rule("reshape", 'input = "w"\noutput = "r"\nshape = [4, 0]'), {"w": (0, 4)}),
@@ -204,8 +214,8 @@ def test_a_wrong_fused_layout_is_not_given_back_as_the_inputs(tmp_path):
             assert_bitwise(builder(step, [np.concatenate(inputs)]), inputs)
 
 
-def test_rename_is_not_a_layout_kind_the_callers_must_rebind_it_by_name(tmp_path):
+def test_rename_has_no_onnx_unfuse_the_callers_must_rebind_it_by_name(tmp_path):
     step = planned_step(tmp_path, rule("rename", 'input = "a"\noutput = "b"'), {"a": np.zeros((2,), np.float32)})
-    assert "rename" not in LAYOUT_KINDS
-    with pytest.raises(ValueError, match="rename"):
-        unfuse_in_onnx(GraphBuilder(), step, ["b"])
+    assert not step.op.onnx_unfusable and step.op.renames
+    with pytest.raises(NotImplementedError, match="rename"):
+        unfuse(GraphBuilder(), step, ["b"])

@@ -11,9 +11,9 @@ from safetensors.numpy import save_file
 
 import fusectl.tensors
 from fusectl.errors import FusectlError, PlanError
-from fusectl.execute import Materializer
+from fusectl.executor import Evaluation, run_plan
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.plan import make_plan, replay_plan
+from fusectl.planner import make_plan
 from fusectl.rules.inverse import invert_rule, invert_ruleset
 from fusectl.rules.schema import load_rules
 
@@ -32,7 +32,7 @@ def rules(body: str, config=None, source=SRC):
 
 def values(table, names=None) -> dict[str, np.ndarray]:
     names = table.names() if names is None else names
-    m = Materializer([table[n] for n in names])
+    m = Evaluation([table[n] for n in names])
     return {n: np.array(m.array(table[n])) for n in names}
 
 
@@ -436,7 +436,7 @@ shape = [-1]
     assert fused.names() == ["e_flat", "gate_t", "l.0.qkv", "l.1.qkv"]
     inverse = plan.inverse()
     assert [g.rule for g in inverse.groups] == ["flat", "st", "t", "il"]
-    back = replay_plan(fused, inverse, "unfuse")
+    back = run_plan(fused, inverse, "unfuse")
     assert back.names() == sorted(tensors)
     got = values(back)
     for name, array in tensors.items():
@@ -562,11 +562,11 @@ def test_replaying_a_plan_on_a_different_shape_names_tensor_and_rule(tmp_path):
                         [rules('[[rule]]\nname = "t"\nop = "transpose"\ninput = "a"\noutput = "b"\n')])
     other = open_table(tmp_path, {"a": rows(3)}, "two.safetensors")
     with pytest.raises(PlanError) as e:
-        replay_plan(other, plan, "verify")
+        run_plan(other, plan, "verify")
     assert "'a'" in str(e.value) and "'t'" in str(e.value)
     missing = open_table(tmp_path, {"z": rows(2)}, "three.safetensors")
     with pytest.raises(PlanError) as e:
-        replay_plan(missing, plan, "verify")
+        run_plan(missing, plan, "verify")
     assert "'a'" in str(e.value) and "'t'" in str(e.value)
 
 

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from conftest import metadata_of, write_rules, write_safetensors
 from fusectl.cli import main
 from fusectl.io.safetensors_file import read_header
 from fusectl.verify.compare import compare
@@ -159,6 +160,31 @@ def test_probe_catches_a_wrong_layout_the_names_cannot_show():
     good = _run_probe(build_probe(step, [q, k, v], op.apply([q, k, v]), 0), "r", CPU, None, None)
     bad = _run_probe(build_probe(step, [q, k, v], [np.concatenate([q, k, v])], 0), "r", CPU, None, None)
     assert good.passed and not bad.passed
+
+
+def test_a_step_that_moves_rows_is_probed_on_a_window_of_columns_and_still_catches_a_wrong_layout(tmp_path):
+    """A wide concat is probed on its first PROBE_COLUMNS columns (a slice, not the whole tensor
+    upcast); rows in the wrong place change every column, so the window still sees them."""
+    from fusectl.verify.probes import PROBE_COLUMNS
+
+    rng = np.random.default_rng(3)
+    src = tmp_path / "m.safetensors"
+    parts = {f"l.{x}": rng.standard_normal((4, 3 * PROBE_COLUMNS)).astype(np.float32) for x in "ab"}
+    write_safetensors(src, parts)
+    rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nname = "cat"\nop = "concat"\n'
+                                             'inputs = ["l.a", "l.b"]\noutput = "l.ab"\n')
+    out = fuse(src, tmp_path / "out.safetensors", rules)
+    report = tmp_path / "r.json"
+    assert run("verify", src, out, "--report", report).exit_code == 0
+    (probe,) = [c for c in json.loads(report.read_text())["checks"] if c["kind"] == "probe"]
+    assert probe["detail"] == f"columns 0..{PROBE_COLUMNS - 1} of {3 * PROBE_COLUMNS}: the step moves whole rows"
+    # the fused tensor with two rows swapped: caught by the tensor check and by the probe
+    swapped = np.concatenate([parts["l.a"], parts["l.b"]])[[1, 0, 2, 3, 4, 5, 6, 7]]
+    write_safetensors(tmp_path / "bad.safetensors", {"l.ab": swapped},
+                      metadata=metadata_of(out))
+    assert run("verify", src, tmp_path / "bad.safetensors", "--report", report).exit_code == 1
+    failed = {c["kind"] for c in json.loads(report.read_text())["checks"] if not c["passed"]}
+    assert failed == {"tensor", "inverse", "probe"}
 
 
 def test_no_provenance_and_no_rules_is_exit_2(tmp_path):

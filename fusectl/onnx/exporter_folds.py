@@ -121,12 +121,11 @@ def same_within_tolerance(value, tensor) -> bool:
     """Whether a graph initializer ``value`` equals checkpoint ``tensor`` within the tolerance
     of its dtype (a fold computed by the exporter and one computed by fusectl may differ by
     an ulp)."""
-    from ..execute import Materializer
-
+    
     theirs = _const(value)
     if theirs is None or not tensor.has_data():
         return False
-    mine = Materializer([tensor]).array(tensor)
+    mine = tensor.read()
     atol, rtol = default_tolerance(mine.dtype)
     return _close(mine, theirs, atol, rtol)
 
@@ -139,10 +138,9 @@ def _close(mine: np.ndarray, theirs: np.ndarray, atol: float, rtol: float) -> bo
 
 
 def _array(table: ParamTable, name: str) -> np.ndarray:
-    from ..execute import Materializer
-
+    
     tensor = table[name]
-    return Materializer([tensor]).array(tensor)
+    return tensor.read()
 
 
 def _const(value) -> np.ndarray | None:

@@ -16,7 +16,6 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..execute import Materializer
 from ..table import ParamTable
 from ..tensors import LazyTensor
 
@@ -100,7 +99,7 @@ def _pair_close(table, initializers, initializer_specs, matched_graph, matched_u
     for tensor, transposed, names in sorted(work, key=lambda w: w[1]):  # as is before transposed
         if id(tensor) in matched_unique:
             continue
-        mine = np.asarray(Materializer([tensor]).array(tensor), np.float64)
+        mine = np.asarray(tensor.read(), np.float64)
         mine = mine.T if transposed else mine
         if not np.all(np.isfinite(mine)):
             continue
@@ -119,7 +118,7 @@ def _same_data(tensor: LazyTensor, initializer: Callable[[], np.ndarray]) -> str
         return "unknown"
     if tensor.spec.dtype.packed:
         return "unknown"
-    mine = np.ascontiguousarray(Materializer([tensor]).array(tensor)).reshape(-1).view(np.uint8)
+    mine = np.ascontiguousarray(tensor.read()).reshape(-1).view(np.uint8)
     theirs = np.ascontiguousarray(initializer()).reshape(-1).view(np.uint8)
     return "equal" if np.array_equal(mine, theirs) else "differs"
 
@@ -217,7 +216,7 @@ def map_names(
         transposed = len(shape) == 2 and (dtype, shape[::-1]) in digest_specs
         if not as_is and not transposed:
             continue
-        array = Materializer([tensor]).array(tensor)
+        array = tensor.read()
         digests.append((tensor, _digest(array) if as_is else None, _digest(array.T) if transposed else None))
     for how, position in (("content", 1), ("transposed", 2)):
         for entry in digests:

@@ -18,10 +18,15 @@ class Op:
     ``inputs_field`` / ``outputs_field`` say how a rule names its tensors: ``"input"`` (one
     pattern), ``"inputs"`` (a list, or one pattern with ``over``), ``"output"``, ``"outputs"``.
     Ops whose tensors play distinct roles name them instead: ``named_inputs = ("g", "v")``.
+
+    An op owns all its forms: besides ``infer`` / ``apply`` / ``inverse`` / ``byte_ranges``, the
+    ClassVars below say how plans, ties and rules treat it, ``onnx_unfuse`` is its inverse as
+    ONNX nodes, ``probe`` the graphs ``fusectl verify`` runs for it, and ``fold_in_graph`` how
+    export folds it into a graph. Callers ask the op; none switches on ``kind``, which is only
+    the name a rules file (and provenance) calls it by.
     """
 
     kind: ClassVar[str]
-    summary: ClassVar[str] = ""
     inputs_field: ClassVar[str] = "input"
     outputs_field: ClassVar[str] = "output"
     # exact ops move bytes (bitwise for every dtype); numeric ones compute in float32/64
@@ -35,6 +40,24 @@ class Op:
     # missing; names that only fit the others are not bindings (a BatchNorm's own
     # ``weight`` matched by a layer-weight pattern)
     binding_inputs: ClassVar[tuple[str, ...]] = ()
+    # the outputs ARE the inputs under new names (same tensor, ties kept)
+    renames: ClassVar[bool] = False
+    # a rule of this op never breaks a tie
+    keeps_ties: ClassVar[bool] = False
+    # the op takes packed sub-byte dtypes (it moves whole tensors, never elements)
+    moves_packed: ClassVar[bool] = False
+    # a rule that only stops plans: not a rule that must match, and left out when inverting
+    guard: ClassVar[bool] = False
+    # ``over`` gathers the inputs' bindings; False: it names the outputs' index (unstack)
+    gathers_over: ClassVar[bool] = True
+    # the gathered indices must be 0..n-1 (they become positions along a new axis)
+    indexed_over: ClassVar[bool] = False
+    # ``onnx_unfuse`` builds ONNX nodes recovering a step's inputs from its outputs
+    onnx_unfusable: ClassVar[bool] = False
+    # ``probe`` builds the graphs ``fusectl verify`` compares for a step of this op
+    probed: ClassVar[bool] = False
+    # the export rewrites the graph's subgraph for this step's numeric fold (``fold_in_graph``)
+    graph_foldable: ClassVar[bool] = False
 
     def for_present(self, present: Sequence[bool]) -> "Op":
         """The op to run when some optional inputs are absent (they are left out of its inputs)."""
@@ -70,6 +93,49 @@ class Op:
         """Output ``index`` as file ranges of the inputs, when it is a plain byte copy."""
         return None
 
+    def rule_inverse_problem(self, over: str | None) -> str | None:
+        """Why a rule of this op (gathering ``over``, or None) cannot be inverted from the rule
+        alone, though the op has an inverse; None when it can."""
+        return None
+
+    def onnx_unfuse(self, b, input_specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec],
+                    fused: list) -> list:
+        """ONNX nodes recovering a step's inputs from its outputs ``fused`` (graph values), built
+        with ``b`` (see ``onnx_forms``); one value per input, in order."""
+        raise NotImplementedError(f"{self.kind} has no ONNX un-fuse")
+
+    def probe(self, p, before: Sequence[np.ndarray], after: Sequence[np.ndarray],
+              input_specs: Sequence[TensorSpec], output_specs: Sequence[TensorSpec]) -> None:
+        """Add this step's probe to ``p`` (verify's probe graphs, duck-typed: ``ref`` and ``cand``
+        builders, ``param(b, array)``, ``input(name, shape)``, ``output(name, ref, cand)``,
+        ``readouts(k, ref, cand, shape)``): the layer computed from the unfused tensors
+        ``before`` beside the same layer from the fused ``after``.
+
+        The default, for ops with ``onnx_unfuse``: a readout of each input against the readout
+        of that input recovered from the fused tensors in ONNX."""
+        if not self.onnx_unfusable:
+            raise NotImplementedError(f"{self.kind} has no probe")
+        fused = [p.param(p.cand, a) for a in after]
+        recovered = self.onnx_unfuse(p.cand, input_specs, output_specs, fused)
+        for k, (array, spec) in enumerate(zip(before, input_specs)):
+            p.readouts(k, p.param(p.ref, array), recovered[k], spec.shape)
+
+    def moves_rows(self, input_specs: Sequence[TensorSpec]) -> bool:
+        """Whether the step only moves whole rows (slabs along axis 0) of tensors that all keep
+        their trailing axes, so that it commutes with taking the same columns of every tensor:
+        verify then probes a window of columns instead of whole tensors."""
+        return False
+
+    def op_axis(self, ndim: int) -> int:
+        """The op's ``axis`` as a non-negative axis of an ``ndim``-dimensional tensor (``infer``
+        has checked it is in range)."""
+        return self.axis % ndim
+
+    def fold_in_graph(self, rewriter, step, values) -> None:
+        """Fold this step into an exported graph through ``rewriter`` (the export's pass, duck-typed),
+        ``values`` being the graph values of the step's inputs."""
+        raise NotImplementedError(f"{self.kind} has no graph fold")
+
     def params(self) -> dict:
         """The op's parameters as JSON-ready data (for plans and provenance)."""
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -91,10 +157,10 @@ def _frozen(value):
     return value
 
 
-def normalize_axis(axis: int, ndim: int, name: str) -> int:
-    """A non-negative axis, or a PlanError naming the tensor."""
+def normalize_axis(axis: int, ndim: int, name: str, what: str = "axis") -> int:
+    """A non-negative axis, or a PlanError naming the tensor (``what``: the op's word for it)."""
     if not -ndim <= axis < ndim:
-        raise PlanError(f"{name!r} has {ndim} dimensions; axis {axis} is out of range")
+        raise PlanError(f"{name!r} has {ndim} dimensions; {what} {axis} is out of range")
     return axis % ndim
 
 
@@ -106,6 +172,14 @@ def same_dtype(specs: Sequence[TensorSpec], names: Sequence[str]) -> None:
                 f"{name!r} is {spec.dtype} but {names[0]!r} is {first}; "
                 "inputs of one step must share a dtype"
             )
+
+
+class RowMover:
+    """Mixin for ops along ``axis`` that move whole slabs: rows when the axis is 0."""
+
+    def moves_rows(self, input_specs) -> bool:
+        ndim = len(input_specs[0].shape)
+        return ndim >= 2 and self.op_axis(ndim) == 0
 
 
 def leading_ones(shape: Sequence[int], axis: int) -> bool:

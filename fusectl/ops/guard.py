@@ -17,7 +17,7 @@ class Refuse(Op):
     """
 
     kind: ClassVar[str] = "refuse"
-    summary: ClassVar[str] = "stop the plan when a tensor matches (message says why)"
+    guard: ClassVar[bool] = True
     outputs_field: ClassVar[str | None] = None
     message: str = "this tensor is not supported by these rules"
 

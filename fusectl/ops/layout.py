@@ -11,7 +11,8 @@ import numpy as np
 from ..errors import PlanError, quote
 from ..limits import check_limit
 from ..tensors import ByteRange, TensorSpec
-from .base import Op, leading_ones, normalize_axis, same_dtype
+from .base import Op, RowMover, leading_ones, normalize_axis, same_dtype
+from . import onnx_forms
 
 
 def slice_ranges(ranges: Sequence[ByteRange], start: int, length: int) -> tuple[ByteRange, ...]:
@@ -45,10 +46,21 @@ def _equal_sizes(total: int, parts: int, name: str, what: str) -> tuple[int, ...
     return (total // parts,) * parts
 
 
+def _explicit_list_problem(op: Op, over: str | None) -> str | None:
+    """A stack or unstack rule names its index by ``over``; over an explicit list it cannot be
+    inverted from the rule (the inverse would have to name each tensor)."""
+    if over is not None:
+        return None
+    return (f"a {op.kind} over an explicit list cannot be undone from the rule alone; "
+            "use over = \"placeholder\" or unfuse with the provenance")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rename(Op):
     kind: ClassVar[str] = "rename"
-    summary: ClassVar[str] = "new name, same data"
+    renames: ClassVar[bool] = True
+    keeps_ties: ClassVar[bool] = True
+    moves_packed: ClassVar[bool] = True
 
     def infer(self, specs, names):
         return [specs[0]]
@@ -66,7 +78,8 @@ class Rename(Op):
 @dataclasses.dataclass(frozen=True)
 class Drop(Op):
     kind: ClassVar[str] = "drop"
-    summary: ClassVar[str] = "remove a tensor (one-way)"
+    keeps_ties: ClassVar[bool] = True
+    moves_packed: ClassVar[bool] = True
     outputs_field: ClassVar[str | None] = None
 
     def infer(self, specs, names):
@@ -80,9 +93,10 @@ class Drop(Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class Concat(Op):
+class Concat(RowMover, Op):
     kind: ClassVar[str] = "concat"
-    summary: ClassVar[str] = "concatenate along an axis"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     inputs_field: ClassVar[str] = "inputs"
     axis: int = 0
     sizes: tuple[int, ...] | None = None
@@ -119,19 +133,31 @@ class Concat(Op):
     def inverse(self, specs):
         if specs is None:
             return Split(axis=self.axis, sizes=_declared_sizes(self), parts=len(self.sizes))
-        axis = self.axis % len(specs[0].shape)
+        axis = self.op_axis(len(specs[0].shape))
         return Split(axis=self.axis, sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
 
+    def rule_inverse_problem(self, over):
+        if over is None:
+            return None
+        return (f"a concat over {{{over}}} cannot be undone from the rule alone; "
+                "unfuse with the provenance instead of -r")
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        axis = self.op_axis(len(input_specs[0].shape))
+        sizes = [s.shape[axis] for s in input_specs]
+        return b.node("Split", [fused[0], b.ints(sizes)], len(input_specs), axis=axis)
+
     def byte_ranges(self, ranges, specs, index):
-        if not leading_ones(specs[0].shape, self.axis % len(specs[0].shape)):
+        if not leading_ones(specs[0].shape, self.op_axis(len(specs[0].shape))):
             return None
         return tuple(r for rs in ranges for r in rs)
 
 
 @dataclasses.dataclass(frozen=True)
-class Split(Op):
+class Split(RowMover, Op):
     kind: ClassVar[str] = "split"
-    summary: ClassVar[str] = "split along an axis into sized parts"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     outputs_field: ClassVar[str] = "outputs"
     axis: int = 0
     sizes: tuple[int, ...] | None = None
@@ -168,9 +194,12 @@ class Split(Op):
     def inverse(self, specs):
         return Concat(axis=self.axis)
 
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        return [b.one("Concat", fused, axis=self.op_axis(len(input_specs[0].shape)))]
+
     def byte_ranges(self, ranges, specs, index):
         spec = specs[0]
-        axis = self.axis % len(spec.shape)
+        axis = self.op_axis(len(spec.shape))
         if not leading_ones(spec.shape, axis):
             return None
         sizes = self._sizes(spec, "")
@@ -179,9 +208,10 @@ class Split(Op):
 
 
 @dataclasses.dataclass(frozen=True)
-class Interleave(Op):
+class Interleave(RowMover, Op):
     kind: ClassVar[str] = "interleave"
-    summary: ClassVar[str] = "per-group interleave: chunk g of every input, then chunk g+1 ..."
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     inputs_field: ClassVar[str] = "inputs"
     axis: int = 0
     groups: int = 1
@@ -189,13 +219,13 @@ class Interleave(Op):
 
     def infer(self, specs, names):
         (out,) = Concat(axis=self.axis, sizes=self.sizes).infer(specs, names)
-        axis = self.axis % len(out.shape)
+        axis = self.op_axis(len(out.shape))
         for spec, name in zip(specs, names):
             _equal_sizes(spec.shape[axis], self.groups, name, f"axis {axis} ({self.groups} groups)")
         return [out]
 
     def apply(self, arrays):
-        axis = self.axis % arrays[0].ndim
+        axis = self.op_axis(arrays[0].ndim)
         chunks = [np.split(a, self.groups, axis=axis) for a in arrays]
         return [np.concatenate([c[g] for g in range(self.groups) for c in chunks], axis=axis)]
 
@@ -203,15 +233,24 @@ class Interleave(Op):
         if specs is None:
             return Deinterleave(axis=self.axis, groups=self.groups,
                                 sizes=_declared_sizes(self), parts=len(self.sizes))
-        axis = self.axis % len(specs[0].shape)
+        axis = self.op_axis(len(specs[0].shape))
         return Deinterleave(axis=self.axis, groups=self.groups,
                             sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
 
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        axis = self.op_axis(len(input_specs[0].shape))
+        per = [s.shape[axis] // self.groups for s in input_specs]
+        shape = list(output_specs[0].shape)
+        grouped = onnx_forms.reshape(b, fused[0], shape[:axis] + [self.groups, sum(per)] + shape[axis + 1:])
+        parts = b.node("Split", [grouped, b.ints(per)], len(input_specs), axis=axis + 1)
+        return [onnx_forms.reshape(b, p, s.shape) for p, s in zip(parts, input_specs)]
+
 
 @dataclasses.dataclass(frozen=True)
-class Deinterleave(Op):
+class Deinterleave(RowMover, Op):
     kind: ClassVar[str] = "deinterleave"
-    summary: ClassVar[str] = "exact inverse of interleave"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     outputs_field: ClassVar[str] = "outputs"
     axis: int = 0
     groups: int = 1
@@ -223,14 +262,14 @@ class Deinterleave(Op):
 
     def infer(self, specs, names):
         outs = Split(axis=self.axis, sizes=self.sizes, parts=self.parts).infer(specs, names)
-        axis = self.axis % len(specs[0].shape)
+        axis = self.op_axis(len(specs[0].shape))
         for k, out in enumerate(outs):
             _equal_sizes(out.shape[axis], self.groups, names[0], f"axis {axis} (part {k}, {self.groups} groups)")
         return outs
 
     def apply(self, arrays):
         a = arrays[0]
-        axis = self.axis % a.ndim
+        axis = self.op_axis(a.ndim)
         sizes = self.sizes or (a.shape[axis] // self.parts,) * self.parts
         per_group = [s // self.groups for s in sizes]
         grouped = a.reshape(a.shape[:axis] + (self.groups, sum(per_group)) + a.shape[axis + 1 :])
@@ -243,11 +282,20 @@ class Deinterleave(Op):
     def inverse(self, specs):
         return Interleave(axis=self.axis, groups=self.groups)
 
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        axis = self.op_axis(len(input_specs[0].shape))
+        shape = list(input_specs[0].shape)
+        grouped = [onnx_forms.reshape(b, f, shape[:axis] + [self.groups, s.shape[axis] // self.groups] + shape[axis + 1:])
+                   for f, s in zip(fused, output_specs)]
+        return [onnx_forms.reshape(b, b.one("Concat", grouped, axis=axis + 1), shape)]
+
 
 @dataclasses.dataclass(frozen=True)
 class Stack(Op):
     kind: ClassVar[str] = "stack"
-    summary: ClassVar[str] = "stack along a new axis"
+    indexed_over: ClassVar[bool] = True
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     inputs_field: ClassVar[str] = "inputs"
     axis: int = 0
 
@@ -271,8 +319,16 @@ class Stack(Op):
     def inverse(self, specs):
         return Unstack(axis=self.axis)
 
+    def rule_inverse_problem(self, over):
+        return _explicit_list_problem(self, over)
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        axis = self.op_axis(len(output_specs[0].shape))
+        parts = b.node("Split", [fused[0], b.ints([1] * len(input_specs))], len(input_specs), axis=axis)
+        return [b.one("Squeeze", [p, b.ints([axis])]) for p in parts]
+
     def byte_ranges(self, ranges, specs, index):
-        axis = self.axis % (len(specs[0].shape) + 1)
+        axis = self.op_axis(len(specs[0].shape) + 1)
         if not leading_ones(specs[0].shape, axis):
             return None
         return tuple(r for rs in ranges for r in rs)
@@ -281,7 +337,9 @@ class Stack(Op):
 @dataclasses.dataclass(frozen=True)
 class Unstack(Op):
     kind: ClassVar[str] = "unstack"
-    summary: ClassVar[str] = "inverse of stack: one tensor per index of an axis"
+    gathers_over: ClassVar[bool] = False
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     axis: int = 0
 
     def output_count(self, specs):
@@ -293,15 +351,22 @@ class Unstack(Op):
         return [TensorSpec(specs[0].dtype, shape)] * specs[0].shape[axis]
 
     def apply(self, arrays):
-        axis = self.axis % arrays[0].ndim
+        axis = self.op_axis(arrays[0].ndim)
         return [np.take(arrays[0], k, axis=axis) for k in range(arrays[0].shape[axis])]
 
     def inverse(self, specs):
         return Stack(axis=self.axis)
 
+    def rule_inverse_problem(self, over):
+        return _explicit_list_problem(self, over)
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        axis = self.op_axis(len(input_specs[0].shape))
+        return [b.one("Concat", [b.one("Unsqueeze", [f, b.ints([axis])]) for f in fused], axis=axis)]
+
     def byte_ranges(self, ranges, specs, index):
         spec = specs[0]
-        axis = self.axis % len(spec.shape)
+        axis = self.op_axis(len(spec.shape))
         if not leading_ones(spec.shape, axis):
             return None
         row = spec.nbytes // spec.shape[axis]
@@ -311,7 +376,8 @@ class Unstack(Op):
 @dataclasses.dataclass(frozen=True)
 class Transpose(Op):
     kind: ClassVar[str] = "transpose"
-    summary: ClassVar[str] = "permute axes"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     perm: tuple[int, ...] = (1, 0)
 
     def infer(self, specs, names):
@@ -329,11 +395,15 @@ class Transpose(Op):
     def inverse(self, specs):
         return Transpose(perm=tuple(int(p) for p in np.argsort(self.perm)))
 
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        return [b.one("Transpose", [fused[0]], perm=[int(p) for p in np.argsort(self.perm)])]
+
 
 @dataclasses.dataclass(frozen=True)
 class Reshape(Op):
     kind: ClassVar[str] = "reshape"
-    summary: ClassVar[str] = "same bytes, new shape (one entry may be -1)"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     shape: tuple[int, ...] = ()
 
     def infer(self, specs, names):
@@ -360,14 +430,18 @@ class Reshape(Op):
                             "not in it); unfuse with the provenance instead of -r")
         return Reshape(shape=specs[0].shape)
 
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        return [onnx_forms.reshape(b, fused[0], input_specs[0].shape)]
+
     def byte_ranges(self, ranges, specs, index):
         return ranges[0]
 
 
 @dataclasses.dataclass(frozen=True)
-class Reorder(Op):
+class Reorder(RowMover, Op):
     kind: ClassVar[str] = "reorder"
-    summary: ClassVar[str] = "cut into equal chunks and emit them in a new order"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     axis: int = 0
     chunks: int = 1
     order: tuple[int, ...] = ()
@@ -389,9 +463,15 @@ class Reorder(Op):
         return Reorder(axis=self.axis, chunks=self.chunks,
                        order=tuple(int(k) for k in np.argsort(self.order)))
 
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        axis = self.op_axis(len(input_specs[0].shape))
+        chunk = input_specs[0].shape[axis] // self.chunks
+        chunks = b.node("Split", [fused[0], b.ints([chunk] * self.chunks)], self.chunks, axis=axis)
+        return [b.one("Concat", [chunks[k] for k in np.argsort(self.order)], axis=axis)]
+
     def byte_ranges(self, ranges, specs, index):
         spec = specs[0]
-        axis = self.axis % len(spec.shape)
+        axis = self.op_axis(len(spec.shape))
         if not leading_ones(spec.shape, axis):
             return None
         chunk = spec.nbytes // self.chunks
@@ -407,9 +487,13 @@ class RopePermute(Op):
     """
 
     kind: ClassVar[str] = "rope_permute"
-    summary: ClassVar[str] = "Meta <-> HF rotary permutation of q/k rows"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
     heads: int = 1
     to: str = "hf"
+
+    def moves_rows(self, input_specs):
+        return len(input_specs[0].shape) == 2
 
     def infer(self, specs, names):
         spec = specs[0]
@@ -434,6 +518,15 @@ class RopePermute(Op):
 
     def inverse(self, specs):
         return RopePermute(heads=self.heads, to="meta" if self.to == "hf" else "hf")
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        shape = input_specs[0].shape
+        rows, cols = shape[0], shape[1] if len(shape) == 2 else 1
+        half = rows // self.heads // 2
+        # undo: to "hf" made (heads, 2, half) from Meta's (heads, half, 2)
+        src = [self.heads, 2, half, cols] if self.to == "hf" else [self.heads, half, 2, cols]
+        swapped = b.one("Transpose", [onnx_forms.reshape(b, fused[0], src)], perm=[0, 2, 1, 3])
+        return [onnx_forms.reshape(b, swapped, shape)]
 
 
 LAYOUT_OPS: tuple[type[Op], ...] = (

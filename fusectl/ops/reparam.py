@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import ComputeError, PlanError
 from ..tensors import TensorSpec
-from .base import Op
+from .base import Op, normalize_axis
 
 
 def compute_dtype_of(dtype: np.dtype) -> np.dtype:
@@ -38,6 +38,14 @@ def norm_except(v: np.ndarray, dim: int | None) -> np.ndarray:
         return np.asarray(np.sqrt(np.sum(v * v)))
     axes = tuple(a for a in range(v.ndim) if a != dim)
     return np.sqrt(np.sum(v * v, axis=axes, keepdims=True))
+
+
+def weight_norm_in_onnx(b, g, v, v_shape: Sequence[int], dim: int | None):
+    """w = g · v / ‖v‖ as ONNX nodes (builder ``b``, see ``onnx_forms``), the norm over every
+    axis but ``dim`` (the whole tensor when None)."""
+    axes = [a for a in range(len(v_shape)) if a != dim] if dim is not None else list(range(len(v_shape)))
+    norm = b.one("Sqrt", [b.one("ReduceSumSquare", [v, b.ints(axes)], keepdims=1 if dim is not None else 0)])
+    return b.one("Mul", [v, b.one("Div", [g, norm])])
 
 
 def weight_norm_dim(g_shape: Sequence[int], v_shape: Sequence[int], g_name: str, v_name: str) -> int | None:
@@ -70,20 +78,22 @@ class WeightNormFold(Op):
     """w = g · v / ‖v‖, the norm over every axis but ``dim`` (PyTorch ``_weight_norm``)."""
 
     kind: ClassVar[str] = "weight_norm_fold"
-    summary: ClassVar[str] = "w = g * v / ||v|| (weight_norm)"
+    probed: ClassVar[bool] = True
     exact: ClassVar[bool] = False
+    graph_foldable: ClassVar[bool] = True
     named_inputs: ClassVar[tuple[str, ...]] = ("g", "v")
     named_outputs: ClassVar[tuple[str, ...]] = ("output",)
     dim: int | str = "auto"
+
+    def fold_in_graph(self, rewriter, step, values):
+        rewriter.replace_subgraph(step, values)
 
     def _dim(self, g: Sequence[int], v: Sequence[int], names) -> int | None:
         dim = _parse_dim(self.dim, "weight_norm_fold")
         auto = weight_norm_dim(g, v, names[0], names[1])
         if dim == "auto":
             return auto
-        if dim is not None and not -len(v) <= dim < len(v):
-            raise PlanError(f"{names[1]!r} has {len(v)} dimensions; dim {dim} is out of range")
-        dim = None if dim is None else dim % len(v)
+        dim = None if dim is None else normalize_axis(dim, len(v), names[1], "dim")
         expected = () if dim is None else tuple(d if a == dim else 1 for a, d in enumerate(v))
         if tuple(g) != expected and not (dim is not None and auto == dim):
             raise PlanError(f"{names[0]!r} has shape {list(g)}; with dim {self.dim} g must be {list(expected)}")
@@ -114,13 +124,20 @@ class WeightNormFold(Op):
         dim = self._dim(specs[0].shape, specs[1].shape, ("g", "v"))
         return WeightNormUnfold(dim="none" if dim is None else dim)
 
+    def probe(self, p, before, after, input_specs, output_specs):
+        """A readout of g · v / ‖v‖ computed in ONNX beside one of the folded weight."""
+        w_shape = output_specs[0].shape
+        g, v = (p.param(p.ref, a) for a in before)
+        dim = weight_norm_dim(input_specs[0].shape, w_shape, "g", "v")
+        p.readouts(0, weight_norm_in_onnx(p.ref, g, v, w_shape, dim), p.param(p.cand, after[0]), w_shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class WeightNormUnfold(Op):
     """g = ‖w‖ over every axis but ``dim``, v = w (what ``weight_norm`` does when applied)."""
 
     kind: ClassVar[str] = "weight_norm_unfold"
-    summary: ClassVar[str] = "g = ||w||, v = w (weight_norm applied)"
+    probed: ClassVar[bool] = True
     exact: ClassVar[bool] = False
     named_inputs: ClassVar[tuple[str, ...]] = ("input",)
     named_outputs: ClassVar[tuple[str, ...]] = ("g", "v")
@@ -130,11 +147,7 @@ class WeightNormUnfold(Op):
         dim = _parse_dim(self.dim, "weight_norm_unfold")
         if dim == "auto":
             raise PlanError("weight_norm_unfold needs dim (an integer or \"none\"), not \"auto\"")
-        if dim is None:
-            return None
-        if not -len(shape) <= dim < len(shape):
-            raise PlanError(f"{name!r} has {len(shape)} dimensions; dim {dim} is out of range")
-        return dim % len(shape)
+        return None if dim is None else normalize_axis(dim, len(shape), name, "dim")
 
     def output_count(self, specs):
         return 2
@@ -153,6 +166,13 @@ class WeightNormUnfold(Op):
 
     def inverse(self, specs):
         return WeightNormFold(dim=self.dim)
+
+    def probe(self, p, before, after, input_specs, output_specs):
+        """A readout of the weight beside one of g · v / ‖v‖ computed in ONNX from the outputs."""
+        w_shape = input_specs[0].shape
+        g, v = (p.param(p.cand, a) for a in after)
+        dim = weight_norm_dim(output_specs[0].shape, w_shape, "g", "v")
+        p.readouts(0, p.param(p.ref, before[0]), weight_norm_in_onnx(p.cand, g, v, w_shape, dim), w_shape)
 
 
 def spectral_matrix(w: np.ndarray, dim: int) -> np.ndarray:
@@ -176,11 +196,15 @@ class SpectralNormFold(Op):
     """w = W / σ with σ = u · (M v): eval-mode spectral_norm, no power iteration."""
 
     kind: ClassVar[str] = "spectral_norm_fold"
-    summary: ClassVar[str] = "w = W / sigma, sigma = u . (M v) (spectral_norm, eval mode)"
+    probed: ClassVar[bool] = True
     exact: ClassVar[bool] = False
+    graph_foldable: ClassVar[bool] = True
     named_inputs: ClassVar[tuple[str, ...]] = ("weight", "u", "v")
     named_outputs: ClassVar[tuple[str, ...]] = ("output",)
     dim: int | str = "auto"
+
+    def fold_in_graph(self, rewriter, step, values):
+        rewriter.replace_subgraph(step, values)
 
     def candidate_dims(self, w: Sequence[int], u: Sequence[int], v: Sequence[int], names) -> list[int]:
         if len(u) != 1 or len(v) != 1:
@@ -190,7 +214,7 @@ class SpectralNormFold(Op):
             dim = _parse_dim(self.dim, "spectral_norm_fold")
             if dim is None or not -len(w) <= dim < len(w):
                 raise PlanError(f"{names[0]!r} has {len(w)} dimensions; dim {self.dim} is invalid")
-            dims = [dim % len(w)]
+            dims = [normalize_axis(dim, len(w), names[0], "dim")]
         else:
             dims = [d for d in (0, 1) if d < len(w)]
         fits = [d for d in dims if w[d] == u[0] and w[d] and numel // w[d] == v[0]]
@@ -216,6 +240,17 @@ class SpectralNormFold(Op):
         if not np.isfinite(sigma) or sigma <= 0:
             raise ComputeError(f"σ = u·(M v) is {float(sigma)}; spectral_norm needs a positive finite σ")
         return [np.asarray(wc / sigma).astype(w.dtype)]
+
+    def probe(self, p, before, after, input_specs, output_specs):
+        """A readout of W / σ computed in ONNX beside one of the folded weight."""
+        w_shape = output_specs[0].shape
+        w, u, v = (p.param(p.ref, a) for a in before)
+        dims = self.candidate_dims(w_shape, input_specs[1].shape, input_specs[2].shape, ("w", "u", "v"))
+        dim = dims[0] if len(dims) == 1 else self._consistent(*(_f32(a) for a in before), dims)[0]
+        perm = [dim] + [a for a in range(len(w_shape)) if a != dim]
+        m = p.ref.one("Reshape", [p.ref.one("Transpose", [w], perm=perm), p.ref.ints([w_shape[dim], -1])])
+        sigma = p.ref.one("ReduceSum", [p.ref.one("Mul", [u, p.ref.one("MatMul", [m, v])])], keepdims=0)
+        p.readouts(0, p.ref.one("Div", [w, sigma]), p.param(p.cand, after[0]), w_shape)
 
     @staticmethod
     def _consistent(w, u, v, dims) -> list[int]:
@@ -249,8 +284,9 @@ class BnFold(Op):
     """
 
     kind: ClassVar[str] = "bn_fold"
-    summary: ClassVar[str] = "fold BatchNorm into the preceding layer"
+    probed: ClassVar[bool] = True
     exact: ClassVar[bool] = False
+    graph_foldable: ClassVar[bool] = True
     named_inputs: ClassVar[tuple[str, ...]] = ("weight", "bias", "gamma", "beta", "mean", "var")
     named_outputs: ClassVar[tuple[str, ...]] = ("output_weight", "output_bias")
     optional_inputs: ClassVar[frozenset[int]] = frozenset({1})
@@ -260,6 +296,9 @@ class BnFold(Op):
     layer: str = "conv"
     groups: int = 1
     has_bias: bool = True
+
+    def fold_in_graph(self, rewriter, step, values):
+        rewriter.fold_batchnorm(step, values)
 
     def for_present(self, present):
         """``present`` holds each input's TensorSpec (or a truthy flag), None/False when absent;
@@ -336,6 +375,32 @@ class BnFold(Op):
             folded = wc * scale.reshape((-1,) + (1,) * (w.ndim - 1))
         bias = (bc - mean) * scale + beta
         return [folded.astype(w.dtype), bias.astype(b.dtype if b is not None else w.dtype)]
+
+    def probe(self, p, before, after, input_specs, output_specs):
+        """The layer followed by ONNX's BatchNormalization beside the folded layer alone, on a
+        random input ``x`` of the layer's shape."""
+        w, bias, gamma, beta, mean, var = self._split(before)
+        w_shape = input_specs[0].shape
+        if self.layer == "linear":
+            x_shape = [2, w_shape[1]]
+            layer, attrs = "Gemm", {"transB": 1}
+        elif self.layer == "conv":
+            x_shape = [1, w_shape[1]] + [k + 2 for k in w_shape[2:]]
+            layer, attrs = "Conv", {}
+        else:
+            x_shape = [1, w_shape[0]] + [3] * (len(w_shape) - 2)
+            layer, attrs = "ConvTranspose", {"group": self.groups}
+        x = p.input("x", x_shape)
+        ref, cand = p.ref, p.cand
+        y = ref.one(layer, [x, p.param(ref, w)] + ([p.param(ref, bias)] if bias is not None else []), **attrs)
+        y = ref.one("BatchNormalization", [y] + [p.param(ref, a) for a in (gamma, beta, mean, var)],
+                    epsilon=self.eps)
+        folded_w, folded_b = after
+        p.output("y", y, cand.one(layer, [x, p.param(cand, folded_w), p.param(cand, folded_b)], **attrs))
+
+
+def _f32(array: np.ndarray) -> np.ndarray:
+    return np.asarray(array).astype(np.float32)
 
 
 def _layer_from_rank(rank: int) -> str | None:

@@ -10,23 +10,15 @@ from .schema import Rule, RuleSet
 
 def invert_rule(rule: Rule) -> Rule:
     """The rule that undoes ``rule``; PlanError naming it when rules alone cannot say how."""
-    kind = rule.op.kind
     try:
         op = rule.op.inverse(None)
     except PlanError as e:
         raise PlanError(f"{rule.describe()}: {e}") from None
     if op is None:
-        raise PlanError(f"{rule.describe()} is one-way ({kind}); it cannot be undone")
-    if kind in ("stack", "unstack") and rule.over is None:
-        raise PlanError(
-            f"{rule.describe()}: a {kind} over an explicit list cannot be undone from the rule "
-            "alone; use over = \"placeholder\" or unfuse with the provenance"
-        )
-    if kind == "concat" and rule.over is not None:
-        raise PlanError(
-            f"{rule.describe()}: a concat over {{{rule.over}}} cannot be undone from the rule "
-            "alone; unfuse with the provenance instead of -r"
-        )
+        raise PlanError(f"{rule.describe()} is one-way ({rule.op.kind}); it cannot be undone")
+    problem = rule.op.rule_inverse_problem(rule.over)
+    if problem is not None:
+        raise PlanError(f"{rule.describe()}: {problem}")
     # what the inverse must bind: every placeholder of the inputs but the gathered one
     bound = set().union(*(p.names for p in rule.outputs)) | ({rule.over} if rule.over else set())
     for pattern in rule.inputs:
@@ -42,6 +34,6 @@ def invert_rule(rule: Rule) -> Rule:
 
 
 def invert_ruleset(ruleset: RuleSet) -> RuleSet:
-    """The rules that undo ``ruleset``, last first; ``refuse`` guards change nothing and are left out."""
-    rules = [r for r in reversed(ruleset.rules) if r.op.kind != "refuse"]
+    """The rules that undo ``ruleset``, last first; guards (``refuse``) change nothing and are left out."""
+    rules = [r for r in reversed(ruleset.rules) if not r.op.guard]
     return replace(ruleset, rules=tuple(invert_rule(r) for r in rules))

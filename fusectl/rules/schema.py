@@ -159,7 +159,7 @@ def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) 
         io_keys = {op_cls.inputs_field} | ({op_cls.outputs_field} if op_cls.outputs_field else set())
     if op_cls.inputs_field == "inputs" and not op_cls.named_inputs:
         io_keys.add("input")
-    if "inputs" in io_keys or kind == "unstack":
+    if "inputs" in io_keys or not op_cls.gathers_over:
         allowed = _RULE_KEYS | io_keys | set(params)
     else:
         allowed = (_RULE_KEYS - {"over"}) | io_keys | set(params)
@@ -173,7 +173,7 @@ def _load_rule(raw: object, index: int, source: str, variables: _LazyVariables) 
     if not isinstance(optional, bool):
         raise RuleError(f"{where}: optional must be true or false")
 
-    _check_placeholders(inputs, outputs, over, kind, where)
+    _check_placeholders(inputs, outputs, over, op_cls, where)
     op = _make_op(op_cls, raw, params, len(outputs), variables, where)
     return Rule(name, source, op, inputs, outputs, over, optional)
 
@@ -223,7 +223,7 @@ def _listed_io(raw: dict, op_cls, over, where: str):
     return inputs, outputs
 
 
-def _check_placeholders(inputs, outputs, over, kind, where) -> None:
+def _check_placeholders(inputs, outputs, over, op_cls, where) -> None:
     inputs = [p for p in inputs if p is not None]
     _check_offsets([*inputs, *outputs], where)
     bound = set().union(*(p.names for p in inputs))
@@ -236,7 +236,7 @@ def _check_placeholders(inputs, outputs, over, kind, where) -> None:
     if over is not None:
         if not isinstance(over, str):
             raise RuleError(f"{where}: over must be a placeholder name")
-        if kind == "unstack":
+        if not op_cls.gathers_over:
             if over in bound:
                 raise RuleError(f"{where}: over = {over!r} must be a placeholder of the output, not the input")
             if not outputs or over not in outputs[0].names:
@@ -246,8 +246,8 @@ def _check_placeholders(inputs, outputs, over, kind, where) -> None:
             raise RuleError(f"{where}: over = {over!r} is not a placeholder of the input")
         else:
             bound = bound - {over}
-    elif kind == "unstack":
-        raise RuleError(f"{where}: unstack needs over = \"placeholder\" naming the output's index")
+    elif not op_cls.gathers_over:
+        raise RuleError(f"{where}: {op_cls.kind} needs over = \"placeholder\" naming the output's index")
     for p in outputs:
         unbound = p.names - bound
         if unbound:

@@ -1,0 +1,139 @@
+"""What the passes of ``fusectl export`` share: one :class:`ExportContext`.
+
+It holds the checkpoint, the plan recorded in it, the graph's initializers paired with the
+names the checkpoint had before that plan (:class:`Pairing`, once ``PairInitializersPass``
+has run), the checkpoint's parameters as initializers (one per unique parameter) and the
+counts the :class:`~fusectl.onnx.export.ExportReport` gives. ``export_model`` creates it;
+the passes read and extend it, nothing else does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+from ..errors import PlanError
+from ..io.checkpoint import Checkpoint
+from ..plan import Plan
+
+# the graph's paired initializers are renamed with this prefix, freeing their names for the
+# checkpoint's parameters; the passes rebind their uses, and none may be left in use
+SET_ASIDE = "fusectl_graph/"
+
+
+class ExportError(PlanError):
+    """The graph does not have the structure the checkpoint's plan needs."""
+
+
+class IRBuilder:
+    """Appends onnx-ir nodes to a graph; the same interface as the probes' GraphBuilder."""
+
+    def __init__(self, graph: ir.Graph):
+        self.graph, self.count = graph, 0
+
+    def node(self, op: str, inputs, n_out: int = 1, **attrs) -> list[ir.Value]:
+        node = ir.node(op, inputs, attributes=attrs or None, num_outputs=n_out)
+        for out in node.outputs:
+            self.count += 1
+            out.name = f"fusectl_{op.lower()}_{self.count}"
+        self.graph.append(node)
+        return list(node.outputs)
+
+    def one(self, op: str, inputs, **attrs) -> ir.Value:
+        return self.node(op, inputs, 1, **attrs)[0]
+
+    def ints(self, values) -> ir.Value:
+        return self.constant(np.asarray(list(values), np.int64))
+
+    def constant(self, array: np.ndarray, name: str | None = None) -> ir.Value:
+        self.count += 1
+        name = name or f"fusectl_const_{self.count}"
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+        self.graph.register_initializer(value)
+        return value
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """The graph initializers ``PairInitializersPass`` paired and set aside (``SET_ASIDE``).
+
+    ``by_name``: a name the checkpoint had before its plan → the graph initializers holding
+    that tensor, each with whether it holds it transposed. ``direct``: a graph initializer
+    the exporter already made in the fused layout (an LSTM's packed W/R/B) → the checkpoint
+    tensor it holds, and whether transposed; ``direct_names`` those checkpoint tensors.
+    """
+
+    by_name: dict[str, list[tuple[ir.Value, bool]]]
+    direct: dict[str, tuple[str, bool]]
+    direct_names: frozenset[str]
+
+
+@dataclass
+class ExportCounts:
+    """What the report counts: steps folded, graph initializers rebound, MatMuls fused."""
+
+    folded: int = 0
+    rebound: int = 0
+    fused_matmuls: int = 0
+
+
+@dataclass(eq=False)
+class ExportContext:
+    """The state the export's passes share, for one ``model`` (loaded from ``graph_path``)
+    rewritten to take ``checkpoint``'s parameters."""
+
+    checkpoint: Checkpoint
+    graph_path: str
+    model: ir.Model
+    plan: Plan = field(init=False)
+    builder: IRBuilder = field(init=False)
+    params: dict[str, ir.Value] = field(init=False, default_factory=dict)  # unique name → initializer
+    pairing: Pairing | None = field(init=False, default=None)  # PairInitializersPass's result
+    counts: ExportCounts = field(init=False, default_factory=ExportCounts)
+
+    def __post_init__(self) -> None:
+        provenance = self.checkpoint.provenance
+        self.plan = provenance.plan if provenance else Plan()
+        self.builder = IRBuilder(self.model.graph)
+
+    def param(self, name: str) -> ir.Value:
+        """The initializer holding checkpoint tensor ``name`` (one per unique parameter),
+        read from the checkpoint only when the model is saved."""
+        table = self.checkpoint.table
+        if name not in table:
+            raise ExportError(f"{name!r} is not in {self.checkpoint.path}")
+        unique = table.unique_name(name)
+        if unique not in self.params:
+            tensor = table[unique]
+            spec = tensor.spec
+            lazy = ir.LazyTensor(
+                lambda t=tensor: ir.tensor(t.read()),
+                dtype=ir.DataType(spec.dtype.onnx), shape=ir.Shape(spec.shape), name=unique,
+            )
+            value = ir.Value(name=unique, const_value=lazy, shape=ir.Shape(spec.shape),
+                             type=ir.TensorType(ir.DataType(spec.dtype.onnx)))
+            self.model.graph.register_initializer(value)
+            self.params[unique] = value
+        return self.params[unique]
+
+    def is_param(self, value: ir.Value) -> bool:
+        """Whether ``value`` is one of the checkpoint's parameters."""
+        return value in self.params.values()
+
+    def replace(self, old: ir.Value, new: ir.Value) -> None:
+        """Every use of ``old`` reads ``new``; a graph output keeps its name."""
+        if not old.is_graph_output():
+            ir.convenience.replace_all_uses_with(old, new)
+            return
+        if new.is_initializer() or new.is_graph_input() or new.is_graph_output():
+            new = self.builder.one("Identity", [new])  # an output is produced by a node of its own
+        ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+        name, old.name = old.name, None
+        new.name, new.type, new.shape = name, old.type, old.shape
+
+    def rebind(self, old: ir.Value, new: ir.Value, transposed: bool) -> None:
+        """Uses of the graph's initializer ``old`` read ``new`` (transposed where paired so)."""
+        self.replace(old, self.builder.one("Transpose", [new], perm=[1, 0]) if transposed else new)
+        self.counts.rebound += 1

@@ -1,0 +1,163 @@
+"""Bind rules to a parameter table: the :class:`~fusectl.plan.Plan` they make, from headers alone.
+
+Each rule binds against the table as the rules before it left it; the executor applies each
+group as it is bound (``executor.apply_group``), so the table the planner ends with is the one
+``run_plan`` makes from the finished plan.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Sequence
+
+from .errors import PlanError, RuleError, quote
+from .executor import apply_group
+from .limits import check_limit
+from .plan import Plan, Step, StepGroup
+from .rules.schema import Rule, RuleSet
+from .table import ParamTable
+from .tensors import TensorSpec
+
+
+def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False) -> tuple[Plan, ParamTable]:
+    """Bind ``rulesets`` in order to a copy of ``table``: the plan and the table it makes."""
+    current = table.copy()
+    groups: list[StepGroup] = []
+    for ruleset in rulesets:
+        if not ruleset.rules and not ruleset.ties:
+            raise PlanError(f"{ruleset.source}: has no [[rule]] and no [ties]; it would change nothing. "
+                            "Add rules, or leave it out")
+        applied = 0
+        for rule in ruleset.rules:
+            steps = bind_rule(rule, current)
+            if steps:
+                groups.append(apply_group(current, StepGroup(rule.name, rule.source, tuple(steps)), untie))
+                applied += 1
+        # optional rules may each match nothing, but a file of which no rule matches does not
+        # fit this model at all (a fold preset on a model without the reparametrization)
+        if ruleset.rules and not applied and not all(r.op.guard for r in ruleset.rules):
+            raise PlanError(f"{ruleset.source}: no rule matched any tensor of the checkpoint; "
+                            "check that these rules fit this model")
+    return Plan(tuple(groups)), current
+
+
+def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
+    """Concrete steps for one rule against the current table (headers only)."""
+    names = table.names()
+    steps: list[Step] = []
+    for inputs, binding in _bindings(rule, names, table):
+        # specs, not just presence: an op may resolve a parameter from them (bn_fold's layer)
+        op = rule.op.for_present([table.spec(n) if n is not None else None for n in inputs])
+        inputs = [n for n in inputs if n is not None]
+        specs = tuple(table.spec(n) for n in inputs)
+        for name, spec in zip(inputs, specs):
+            if spec.dtype.packed and not op.moves_packed:
+                raise PlanError(
+                    f"{rule.describe()}: {name!r} is {spec.dtype}, packed below one byte per "
+                    f"element; fusectl can rename, drop or copy it, not {op.kind} it"
+                )
+        try:
+            out_specs = tuple(op.infer(specs, inputs))
+            outputs = _outputs(rule, binding, specs)
+        except PlanError as e:
+            raise PlanError(f"{rule.describe()}: {e}") from e
+        steps.append(Step(op, tuple(inputs), tuple(outputs), specs, out_specs))
+    if not steps and not rule.optional:
+        raise PlanError(
+            f"{rule.describe()} matches nothing: no tensor fits {_first(rule).text!r}"
+            f"{_closest_hint(rule.inputs[0].text, names)}. Fix the pattern or set optional = true"
+        )
+    return steps
+
+
+def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):
+    over = rule.over if rule.op.gathers_over else None
+    if over is not None:
+        pattern = rule.inputs[0]
+        gathered: dict[tuple, list[tuple[str, str]]] = {}
+        for name in names:
+            b = _match(rule, pattern, name)
+            if b is not None:
+                key = tuple((k, v) for k, v in b.items() if k != over)
+                gathered.setdefault(key, []).append((b[over], name))
+        for key, items in sorted(gathered.items()):
+            numeric = all(v.isdigit() for v, _ in items)
+            items.sort(key=lambda item: (int(item[0]), item[0]) if numeric else (0, item[0]))
+            if rule.op.indexed_over:
+                indices = [int(v) if v.isdigit() else None for v, _ in items]
+                if indices != list(range(len(items))):
+                    raise PlanError(
+                        f"{rule.describe()}: stacking over {{{over}}} needs indices 0..{len(items) - 1}, "
+                        f"found {[v for v, _ in items]} for {pattern.format({**dict(key), over: '*'})!r}"
+                    )
+            yield [n for _, n in items], dict(key)
+        return
+    # the inputs that find bindings: the op's binding_inputs (a BatchNorm's running
+    # statistics), else every input; the others must then exist for each binding found
+    roles = rule.op.named_inputs
+    finders = [k for k, p in enumerate(rule.inputs) if p is not None and (
+        not rule.op.binding_inputs or (k < len(roles) and roles[k] in rule.op.binding_inputs))]
+    bindings: dict[tuple, dict[str, str]] = {}
+    for k in finders:
+        for name in names:
+            b = _match(rule, rule.inputs[k], name)
+            if b is not None:
+                bindings.setdefault(tuple(sorted(b.items())), b)
+    for _, binding in sorted(bindings.items()):
+        try:
+            inputs = [p.format(binding) if p is not None else None for p in rule.inputs]
+        except (PlanError, RuleError) as e:  # {n-1} with n = 0
+            raise PlanError(f"{rule.describe()}: {e}") from e
+        for k, name in enumerate(inputs):
+            if name is None or name in table:
+                continue
+            if k in rule.op.optional_inputs:
+                inputs[k] = None
+                continue
+            present = next(inputs[j] for j in [*finders, *range(len(inputs))]
+                           if inputs[j] is not None and inputs[j] in table)
+            raise PlanError(
+                f"{rule.describe()}: {name!r} not found (the rule found {present!r})"
+                f"{_closest_hint(name, names)}; check the pattern"
+            )
+        yield inputs, binding
+
+
+def _first(rule: Rule):
+    return next(p for p in rule.inputs if p is not None)
+
+
+def _match(rule: Rule, pattern, name: str):
+    try:
+        return pattern.match(name)
+    except RuleError as e:
+        raise RuleError(f"{rule.describe()}: {e}") from e
+
+
+def _outputs(rule: Rule, binding: dict[str, str], specs: Sequence[TensorSpec]) -> list[str]:
+    if not rule.op.gathers_over:  # over names the outputs (unstack)
+        count = rule.op.output_count(specs)
+        names = [rule.outputs[0].format({**binding, rule.over: str(k)}) for k in range(count)]
+    else:
+        names = [p.format(binding) for p in rule.outputs]
+    for name in names:
+        if not name or "" in name.split("."):
+            raise PlanError(f"output pattern makes the name {name!r}, which has an empty segment; "
+                            "use {x*} for parts that may be empty")
+        if name in RESERVED_NAMES:
+            raise PlanError(f"output pattern makes the name {name!r}, which safetensors reserves for "
+                            "its metadata; choose another output name")
+        check_limit("name-bytes", len(name.encode("utf-8", "surrogatepass")), f"output name {quote(name[:80])}…",
+                    PlanError)
+    return names
+
+
+# names a safetensors header keeps for itself (and fusectl for its npz metadata member)
+RESERVED_NAMES = frozenset({"__metadata__", "__fusectl_metadata__"})
+
+
+def _closest_hint(name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f"; the checkpoint has {close[0]!r}" if close else ""
+
+
