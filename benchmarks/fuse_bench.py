@@ -554,11 +554,9 @@ def summarize(runs, labels, sizes_bytes, floor_kb):
 # main
 # --------------------------------------------------------------------------------------------
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        epilog="See the top of this file for what is measured and how.")
-    parser.add_argument("--repeat", type=int, default=5, help="repetitions per size and method (default 5)")
+def add_common_arguments(parser, repeat: int) -> None:
+    """The options fuse_bench and verify_bench share (same checkpoints: same --shard-size, --seed)."""
+    parser.add_argument("--repeat", type=int, default=repeat, help=f"repetitions per size and method (default {repeat})")
     parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
                         help=f"comma-separated, from {', '.join(SIZES)} (default {','.join(DEFAULT_SIZES)})")
     parser.add_argument("--workdir", default="/work/bench-data",
@@ -569,9 +567,16 @@ def main(argv=None):
                         help="untimed rounds of every size and method before measuring (default 1)")
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
     parser.add_argument("--fusectl", help="fusectl executable (default: beside this Python, else PATH)")
+    parser.add_argument("--timeout", type=float, default=900, help="per-run limit in seconds (default 900)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="See the top of this file for what is measured and how.")
+    add_common_arguments(parser, repeat=5)
     parser.add_argument("--profile", action="store_true",
                         help="profile one fuse run of the largest size even when within the bar")
-    parser.add_argument("--timeout", type=float, default=900, help="per-run limit in seconds (default 900)")
     parser.add_argument("--naive", nargs=2, metavar=("SRC", "DST"),
                         help="run only the naive baseline on SRC, writing DST (what the benchmark times)")
     args = parser.parse_args(argv)

@@ -236,19 +236,8 @@ def report(runs, labels, sizes_bytes, floor_kb):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      epilog="See the top of this file for what is measured and how.")
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions per size and method (default 3)")
-    parser.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
-                        help=f"comma-separated, from {', '.join(SIZES)} (default {','.join(DEFAULT_SIZES)})")
-    parser.add_argument("--workdir", default="/work/bench-data",
-                        help="checkpoint cache and scratch outputs (default /work/bench-data)")
-    parser.add_argument("--shard-size", type=float, default=500, help="input shard cap in MB (default 500)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed rounds of every size and method before measuring (default 1)")
-    parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
-    parser.add_argument("--fusectl", help="fusectl executable (default: beside this Python, else PATH)")
+    fuse_bench.add_common_arguments(parser, repeat=3)
     parser.add_argument("--refresh", action="store_true", help="re-make the cached fused outputs")
-    parser.add_argument("--timeout", type=float, default=900, help="per-run limit in seconds (default 900)")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()

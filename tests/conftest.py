@@ -222,3 +222,15 @@ def time_limit(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def refused(result, *needles: str, unwritten=()) -> None:
+    """Exit 2, one ``error:`` line naming each needle, no traceback, nothing written."""
+    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}"
+    assert result.stderr.startswith("error:"), result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.output
+    for needle in needles:
+        assert needle in result.stderr, f"{needle!r} not in {result.stderr}"
+    for path in unwritten:
+        assert not os.path.lexists(path), f"{path} was written"

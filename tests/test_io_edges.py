@@ -21,25 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import leftovers, ok, parse_safetensors, snapshot, time_limit, write_rules, write_safetensors
+from conftest import leftovers, ok, parse_safetensors, snapshot, time_limit, write_rules, write_safetensors, refused
 from fusectl.errors import CheckpointError
 from fusectl.io import npz_file, untrusted
 from fusectl.io.provenance import plan_from_json, plan_to_json
 from fusectl.io.untrusted import open_input
 
 RENAME = 'version = 1\n[[rule]]\nop = "rename"\ninput = "w"\noutput = "v"\n'
-
-
-def refused(result, *needles: str, unwritten=()) -> None:
-    """Exit 2, one ``error:`` line naming each needle, no traceback, nothing written."""
-    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}"
-    assert result.stderr.startswith("error:"), result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert "internal error" not in result.stderr and "Traceback" not in result.output
-    for needle in needles:
-        assert needle in result.stderr, f"{needle!r} not in {result.stderr}"
-    for path in unwritten:
-        assert not os.path.lexists(path), f"{path} was written"
 
 
 def _weights(path: Path, **tensors) -> Path:

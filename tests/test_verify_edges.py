@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import struct
 import xml.etree.ElementTree as ET
 import zipfile
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import ok
+from conftest import ok, refused
 from fusectl.errors import VerifyError
 from fusectl.verify.compare import compare, default_tolerance
 from fusectl.verify.inputs_file import load_inputs_file
@@ -50,18 +49,6 @@ def _split(path: Path, lengths, out: str = "y") -> Path:
     return _save(path, [helper.make_node("SplitToSequence", ["x", "lengths"], [out])], [_vi("x")],
                  [helper.make_tensor_sequence_value_info(out, F, None)],
                  [numpy_helper.from_array(np.asarray(lengths, np.int64), "lengths")])
-
-
-def refused(result, *needles: str, unwritten=()) -> None:
-    """Exit 2, one ``error:`` line naming each needle, no traceback, nothing written."""
-    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}"
-    assert result.stderr.startswith("error:"), result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert "internal error" not in result.stderr and "Traceback" not in result.output
-    for needle in needles:
-        assert needle in result.stderr, f"{needle!r} not in {result.stderr}"
-    for path in unwritten:
-        assert not os.path.lexists(path), f"{path} was written"
 
 
 def differs(result, *needles: str) -> None:

@@ -22,7 +22,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import ok, snapshot, write_safetensors
+from conftest import ok, snapshot, write_safetensors, refused
 from fusectl.errors import VerifyError
 from fusectl.verify.compare import compare
 from fusectl.verify.model_check import verify_models
@@ -55,18 +55,6 @@ def _const_model(path: Path, value: np.ndarray, elem_type: int) -> Path:
                                 else value.ravel().tolist())
     return _save(path, [helper.make_node("Constant", [], ["y"], value=tensor)], [],
                  [helper.make_tensor_value_info("y", elem_type, list(value.shape))])
-
-
-def refused(result, *needles: str, unwritten=()) -> None:
-    """Exit 2, one ``error:`` line naming each needle, no traceback, nothing written."""
-    assert result.exit_code == 2, f"exit {result.exit_code}\n{result.output}"
-    assert result.stderr.startswith("error:"), result.stderr
-    assert result.stderr.count("\n") == 1, result.stderr
-    assert "internal error" not in result.stderr and "Traceback" not in result.output
-    for needle in needles:
-        assert needle in result.stderr, f"{needle!r} not in {result.stderr}"
-    for path in unwritten:
-        assert not os.path.lexists(path), f"{path} was written"
 
 
 def _no_nan(doc) -> None:
