@@ -14,7 +14,7 @@ import traceback
 import click
 
 from . import __version__, api
-from .errors import FusectlError, printable
+from .errors import FusectlError, OutputError, printable
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.provenance import plan_to_json
 from .plan import Plan
@@ -648,15 +648,21 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
         report = api.verify(ref, cand, rules=rules, provider=provider, atol=atol, rtol=rtol, seed=seed,
                             config=config_path)
     if report_path:
-        with open(report_path, "w") as f:
-            json.dump(report.to_json(), f, indent=2)
-            f.write("\n")
+        _write_report(report_path, (json.dumps(report.to_json(), indent=2) + "\n").encode())
     if junit_path:
-        with open(junit_path, "wb") as f:
-            f.write(report.to_junit())
+        _write_report(junit_path, report.to_junit())
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)
+
+
+def _write_report(path: str, data: bytes) -> None:
+    """Write a report file; a failure names it (ENOSPC at close carries no file name)."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise OutputError(f"{printable(path)}: {e.strerror or e}; check the path, permissions and free space") from e
 
 
 @main.group("rules", cls=FusectlGroup)

@@ -112,9 +112,6 @@ def test_a_report_that_cannot_be_written_is_exit_2(cli, tmp_path, option):
     assert "Traceback" not in result.output and "internal error" not in result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="an OSError without a file name (ENOSPC when the report is flushed on "
-                                       "close) gives 'error: No space left on device', not naming the report "
-                                       "file that could not be written")
 def test_a_report_that_cannot_be_written_is_named_in_the_error(cli, tmp_path):
     model = FIXTURES / "onnx" / "bert" / "model.onnx"
     result = cli("verify", model, model, "--inputs", FIXTURES / "onnx" / "bert" / "io.npz", "--report", "/dev/full")

@@ -13,7 +13,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fusectl.errors import CheckpointError, VerifyError
+from fusectl.errors import CheckpointError
 from fusectl.verify.model_check import verify_models
 from fusectl.verify.upcast import has_bfloat16, upcast_bfloat16
 
@@ -189,10 +189,6 @@ def _if_model(path: Path) -> Path:
 
 
 @ON_CPU
-@pytest.mark.xfail(strict=True, raises=VerifyError,
-                   reason="upcast_bfloat16 converts only the main graph's initializers: a bf16 initializer "
-                          "inside an If/Loop/Scan body stays bf16 while the values around it become float32, "
-                          "so onnxruntime refuses the upcast model")
 def test_a_bf16_initializer_inside_a_subgraph_is_upcast_too(tmp_path):
     model = str(_if_model(tmp_path / "m.onnx"))
     report = verify_models(model, model, provider="cpu",
@@ -216,9 +212,6 @@ def _loop_model(path: Path) -> Path:
 
 
 @ON_CPU
-@pytest.mark.xfail(strict=True, raises=VerifyError, reason="upcast_bfloat16 retypes only the main graph's "
-                                                           "inputs: a Loop body's bf16 inputs stay bf16 while "
-                                                           "the values fed to them become float32")
 def test_bf16_loop_carried_values_are_upcast_too(tmp_path):
     model = str(_loop_model(tmp_path / "m.onnx"))
     report = verify_models(model, model, provider="cpu", inputs={

@@ -66,19 +66,21 @@ def upcast_bfloat16(path: str) -> bytes:
 
     model = load_model(path)
     bf16, f32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
-    for value in list(model.graph.initializers.values()):
-        if value.const_value is not None and value.const_value.dtype == bf16:
-            value.const_value = ir.tensor(_float32(value.const_value), name=value.name)
-    values = list(model.graph.inputs) + list(model.graph.initializers.values())
-    for node in model.graph.all_nodes():
-        values += list(node.outputs)
-        if node.op_type == "Cast" and node.attributes["to"].value == bf16:
-            node.attributes["to"] = ir.AttrInt64("to", f32)
-        if node.op_type == "Constant" and "value" in node.attributes:
-            tensor = node.attributes["value"].value
-            if tensor.dtype == bf16:
-                node.attributes["value"] = ir.AttrTensor("value", ir.tensor(_float32(tensor)))
-    for value in values + list(model.graph.outputs):
+    values = []
+    for graph in model.graphs():  # the main graph and every If/Loop/Scan body
+        for value in graph.initializers.values():
+            if value.const_value is not None and value.const_value.dtype == bf16:
+                value.const_value = ir.tensor(_float32(value.const_value), name=value.name)
+        values += [*graph.inputs, *graph.initializers.values(), *graph.outputs]
+        for node in graph:
+            values += list(node.outputs)
+            if node.op_type == "Cast" and node.attributes["to"].value == bf16:
+                node.attributes["to"] = ir.AttrInt64("to", f32)
+            if node.op_type == "Constant" and "value" in node.attributes:
+                tensor = node.attributes["value"].value
+                if tensor.dtype == bf16:
+                    node.attributes["value"] = ir.AttrTensor("value", ir.tensor(_float32(tensor)))
+    for value in values:
         if value.dtype == bf16:
             value.dtype = f32
     return ir.serde.serialize_model(model).SerializeToString()
