@@ -144,6 +144,23 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
                   progress=progress, on_note=on_note)
 
 
+def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False):
+    """Pair a checkpoint's structural names with the initializers of ``graph`` (an exporter's
+    ``.onnx``): by name, then by equal content, then by equal transposed content; a
+    :class:`~fusectl.onnx.namemap.NameMap`.
+
+    >>> pairs = map_names("fixtures/onnx/bert/model.safetensors", "fixtures/onnx/bert/model.onnx")
+    >>> len(pairs.pairs) > 0 and not pairs.differing()
+    True
+    """
+    from .onnx.graph import initializer_views, load_model
+    from .onnx.namemap import map_names as pair_names
+
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    readers, specs = initializer_views(load_model(os.fspath(graph)))
+    return pair_names(checkpoint.table, readers, specs)
+
+
 def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, follow_symlinks: bool = False,
            on_note: Callable[[str], None] | None = None):
     """Rewrite ``graph`` (exported from the unfused model) to take the checkpoint's parameters;

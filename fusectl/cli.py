@@ -422,12 +422,8 @@ def map_cmd(ckpt, graph, as_json, config_path):
     Example:
       fusectl map fixtures/onnx/bert/model.safetensors fixtures/onnx/bert/model.onnx
     """
-    from .onnx.graph import initializer_views, load_model
-    from .onnx.namemap import map_names
-
     c = _open(ckpt, config_path)
-    readers, specs = initializer_views(load_model(graph))
-    result = map_names(c.table, readers, specs)
+    result = api.map_names(c, graph)
     if as_json:
         _emit_json(result.to_json())
         return
@@ -441,7 +437,7 @@ def map_cmd(ckpt, graph, as_json, config_path):
         click.echo(f"unmatched in {ckpt}: {printable(name)}")
     for name in result.unmatched_graph:
         click.echo(f"unmatched in {graph}: {printable(name)}")
-    click.echo(f"{len({p.structural for p in result.pairs})} of {len(c.table.entries)} names paired; "
+    click.echo(f"{len({p.structural for p in result.pairs})} of {len(c.table.names())} names paired; "
                f"{len(result.unmatched_graph)} graph initializer(s) unmatched")
     differing = result.differing()
     if differing:
