@@ -12,7 +12,8 @@ from typing import Callable, Mapping, Sequence
 from .errors import OutputError
 from .executor import Evaluation, source_of
 from .io.checkpoint import Companion
-from .io.output import atomic_output, open_writer, output_kind, plan_shards
+from .io.atomic import atomic_output
+from .io.output import open_writer, output_kind, plan_shards
 from .io.provenance import METADATA_KEY, Provenance
 from .plan import Plan
 from .progress import Progress

@@ -341,7 +341,7 @@ def test_an_export_with_external_data_is_written_whole_or_not_at_all(tmp_path, m
     import errno
     import os
 
-    import fusectl.io.output as output
+    import fusectl.io.atomic as atomic
     import fusectl.onnx.export as export
 
     monkeypatch.setattr(export, "EXTERNAL_DATA_THRESHOLD", 0)
@@ -362,7 +362,7 @@ def test_an_export_with_external_data_is_written_whole_or_not_at_all(tmp_path, m
     def disk_full(path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(output, "_sync_tree", disk_full)
+    monkeypatch.setattr(atomic, "_sync_tree", disk_full)
     third = tmp_path / "third.onnx"
     result = run("export", fused, "--graph", ONNX / "bert" / "model.onnx", "-o", third)
     assert result.exit_code == 2 and "No space left on device" in result.output
@@ -507,21 +507,37 @@ def test_an_export_that_fails_between_its_two_renames_puts_the_old_pair_back(tmp
 def test_a_failure_after_both_renames_keeps_the_new_pair(tmp_path, wnconv_fused, monkeypatch, small_threshold):
     """Flushing the folder fails once the new model is in place: the new pair stays, consistent,
     and the old data file set aside goes."""
-    import fusectl.io.output as output
+    import fusectl.io.atomic as atomic
 
     out = tmp_path / "out.onnx"
     out.write_bytes(b"old model")
     (tmp_path / "out.onnx.data").write_bytes(b"old data")
-    real = output._sync
+    real = atomic._sync
 
     def sync(path):
         if os.path.isdir(path):
             raise OSError("folder flush failed")
         real(path)
 
-    monkeypatch.setattr(output, "_sync", sync)
+    monkeypatch.setattr(atomic, "_sync", sync)
     with pytest.raises(OSError, match="folder flush failed"):
         export_api(wnconv_fused, out, force=True)
     assert names_in(tmp_path) == ["fused", "out.onnx", "out.onnx.data"]
     io = dict(np.load(ONNX / "wnconv" / "io.npz"))
     np.testing.assert_allclose(run_model(out, io)["y"], io["y"], atol=1e-4, rtol=0)
+
+
+def test_an_output_reached_through_a_symlink_keeps_its_data_file_beside_the_real_model(tmp_path, wnconv_fused,
+                                                                                     small_threshold):
+    """The data file is named after, and written beside, the model the link points to: the
+    location the model records is relative to the model itself."""
+    real = tmp_path / "models" / "real.onnx"
+    real.parent.mkdir()
+    real.write_bytes(b"old model")
+    link = tmp_path / "link.onnx"
+    link.symlink_to(real)
+    export_api(wnconv_fused, link, force=True)
+    assert names_in(real.parent) == ["real.onnx", "real.onnx.data"] and link.is_symlink()
+    assert names_in(tmp_path) == ["fused", "link.onnx", "models"]
+    io = dict(np.load(ONNX / "wnconv" / "io.npz"))
+    np.testing.assert_allclose(run_model(real, io)["y"], io["y"], atol=1e-4, rtol=0)

@@ -1,14 +1,13 @@
-"""Output layouts (single safetensors, Hugging Face folder with shards, npz) written atomically."""
+"""Output layouts: a single safetensors file, a Hugging Face folder with shards, an npz file.
+
+They are written at the temporary path that ``atomic.atomic_output`` renames into place."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import re
 import shutil
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ..errors import OutputError
 from ..tensors import TensorSpec
@@ -35,143 +34,6 @@ def output_kind(path: str) -> str:
             "choose OUT.safetensors, OUT.npz or a folder name"
         )
     return "folder"
-
-
-@contextlib.contextmanager
-def atomic_output(path: str, *, force: bool, inputs: Sequence[str],
-                  on_note: Callable[[str], None] | None = None, extra: Sequence[str] = ()) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; rename it into place only if the body succeeds.
-
-    ``extra`` names further outputs written with the main one (an ONNX model's external data):
-    the body writes each at ``temporary_name(extra)``; they are checked, flushed, renamed into
-    place just before the main output, and removed on failure like it.
-
-    The temporary output is flushed to disk (every file, then every folder) before the rename,
-    and the parent folder after it, so a crash after fusectl returns cannot leave a renamed but
-    empty output. Temporaries that a killed run left for the same output (``.NAME.fusectl-tmp-PID``
-    of a process that is gone) are removed first, each reported through ``on_note``.
-    """
-    target = os.path.realpath(path)
-    for output in (path, *extra):
-        _check_target(output, force, inputs, on_note or (lambda message: None))
-    parent = os.path.dirname(target)
-    base = os.path.basename(target)
-    temp = temporary_name(path)
-    extras = [(temporary_name(e), os.path.realpath(e)) for e in extra]
-    for t in (temp, *(t for t, _ in extras)):
-        _remove(t)
-    try:
-        try:
-            yield temp
-            for t in (temp, *(t for t, _ in extras)):
-                _sync_tree(t)
-        except OSError as e:
-            if e.errno in _NO_SPACE:
-                raise OutputError(f"{path}: {e.strerror} while writing it; nothing was written. "
-                                  "Free some space (or choose another -o) and run again") from e
-            raise
-        for t, final in extras:
-            os.replace(t, final)
-        if os.path.lexists(target):
-            old = os.path.join(parent, f".{base}.fusectl-old-{os.getpid()}")
-            os.rename(target, old)
-            os.rename(temp, target)
-            _remove(old)
-        else:
-            os.rename(temp, target)
-        _sync(parent)
-    finally:
-        for t in (temp, *(t for t, _ in extras)):
-            _remove(t)
-
-
-def temporary_name(path: str) -> str:
-    """Where ``atomic_output`` has an output written: ``.NAME.fusectl-tmp-PID`` beside it."""
-    target = os.path.realpath(path)
-    return os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.fusectl-tmp-{os.getpid()}")
-
-
-def _check_target(path: str, force: bool, inputs: Sequence[str], on_note: Callable[[str], None]) -> None:
-    """An output may not overwrite or land inside an input, nor replace a file without --force;
-    what a killed run left for it is cleaned first."""
-    target = os.path.realpath(path)
-    for source in inputs:
-        source = os.path.realpath(source)
-        if target == source or source.startswith(target.rstrip(os.sep) + os.sep):
-            raise OutputError(f"{path}: the output would overwrite the input {source}; choose another -o")
-        if os.path.isdir(source) and target.startswith(source.rstrip(os.sep) + os.sep):
-            raise OutputError(f"{path}: the output would land inside the input folder {source}; "
-                              "choose another -o")
-    parent = os.path.dirname(target)
-    if not os.path.isdir(parent):
-        raise OutputError(f"{path}: the folder {parent} does not exist")
-    _clean_stale(parent, os.path.basename(target), target, on_note)
-    if os.path.lexists(target) and not force:
-        raise OutputError(f"{path}: already exists; pass --force to replace it")
-
-
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_LEFTOVER = re.compile(r"\.(?P<base>.+)\.fusectl-(?P<kind>tmp|old)-(?P<pid>[0-9]+)(?:\.d)?")
-
-
-def _clean_stale(parent: str, base: str, target: str, on_note: Callable[[str], None]) -> None:
-    """Remove what a killed run left for this output: temporaries of processes that are gone.
-
-    A ``.fusectl-old-PID`` is the previous output, moved aside just before the new one was
-    renamed into place: if the run died between the two renames, it is put back.
-    """
-    for name in sorted(os.listdir(parent)):
-        m = _LEFTOVER.fullmatch(name)
-        if not m or m.group("base") != base or _alive(int(m.group("pid"))):
-            continue
-        leftover = os.path.join(parent, name)
-        if m.group("kind") == "old" and not os.path.lexists(target):
-            os.rename(leftover, target)
-            on_note(f"restored {target} from {leftover}, where a killed run (pid {m.group('pid')}) had moved it")
-            continue
-        _remove(leftover)
-        on_note(f"removed {leftover}, left by a killed run (pid {m.group('pid')})")
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another user's process, or no such pid on this platform: leave it
-    return True
-
-
-def _sync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sync_tree(path: str) -> None:
-    """fsync a file, or every file and folder under a folder (files first)."""
-    if not os.path.isdir(path):
-        _sync(path)
-        return
-    folders = []
-    for root, _, files in os.walk(path):
-        folders.append(root)
-        for name in files:
-            _sync(os.path.join(root, name))
-    for folder in reversed(folders):
-        _sync(folder)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
 
 
 class FolderWriter:

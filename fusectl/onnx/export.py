@@ -23,8 +23,8 @@ share in one ``ExportContext``):
 
 The model is then saved (tensors streamed from the checkpoint) and checked with
 ``onnx.checker`` by path. Past ``EXTERNAL_DATA_THRESHOLD`` its tensors go to ``OUT.data``
-beside it: the model and its data are written under temporary names and renamed into place
-together, or neither is, and an old pair is left whole.
+beside it: the model and its data are one group for ``fusectl.io.atomic.atomic_output``, which
+renames both into place or neither, and leaves an old pair whole.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InvariantError, PassError, PassResult, Sequential
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from ..io.atomic import atomic_output, temporary_name
 from ..io.checkpoint import Checkpoint
-from ..io.output import atomic_output, temporary_name
 from .export_context import ExportContext, ExportError, IRBuilder
 from .graph import load_model
 from .passes import (FoldReparametrizationsPass, FuseSharedMatMulPass, PairInitializersPass,
@@ -112,88 +112,27 @@ def run_passes(passes: Sequential, model: ir.Model) -> PassResult:
 
 def _save(model: ir.Model, out: str, *, external: bool, force: bool, on_note, inputs) -> None:
     """Save ``model`` at ``out`` atomically and check it; with ``external``, its tensors in
-    ``OUT.data``, the pair replaced as one (``_DataFileSwap``)."""
+    ``OUT.data``, which ``atomic_output`` replaces together with the model as one group."""
     if not external:
         with atomic_output(out, force=force, inputs=inputs, on_note=on_note) as temp:
             ir.save(model, temp)
             _check(temp)
         return
-    # the model names its data file relatively: both are staged side by side in a folder of
-    # their own, checked there, then moved to their temporary names for atomic_output
-    data_name = os.path.basename(out) + ".data"
-    data_path = os.path.join(os.path.dirname(os.path.abspath(out)), data_name)
-    swap = _DataFileSwap(out, data_path)
-    try:
-        with atomic_output(out, force=force, inputs=inputs, on_note=on_note, extra=[data_path]) as temp:
-            stage = temp + ".d"
-            try:
-                os.makedirs(stage)
-                target = os.path.join(stage, os.path.basename(out))
-                ir.save(model, target, external_data=data_name)
-                _check(target)
-                os.replace(os.path.join(stage, data_name), temporary_name(data_path))
-                os.replace(target, temp)
-            finally:
-                shutil.rmtree(stage, ignore_errors=True)
-            swap.set_old_aside(temp)
-    except BaseException:
-        swap.roll_back()
-        raise
-    swap.finish()
-
-
-class _DataFileSwap:
-    """Replaces the model's data file together with the model.
-
-    ``atomic_output`` renames the new data file into place, then the model (moving an old
-    model aside first). So that an old OUT + OUT.data pair stays whole if anything fails on
-    the way — the flush, a rename, an interrupt between them — the old data file is moved
-    aside as well (``set_old_aside``, once the new pair is staged). ``roll_back`` then puts
-    the old pair back, or removes the new data file where there was none, unless the new
-    model is in place already; ``finish`` drops the old data file once the new pair is in.
-    Temporaries of a killed run are restored or removed by the next ``atomic_output``.
-    """
-
-    def __init__(self, out: str, data_path: str):
-        self.out = os.path.realpath(out)
-        self.data = os.path.realpath(data_path)
-        self.staged_model: tuple[int, int] | None = None  # (device, inode) of the new model
-        self.had_old_data = False
-
-    def set_old_aside(self, staged_model: str) -> None:
-        info = os.stat(staged_model)
-        if os.path.lexists(self.data):
-            os.rename(self.data, _aside(self.data))
-            self.had_old_data = True
-        self.staged_model = (info.st_dev, info.st_ino)
-
-    def roll_back(self) -> None:
-        staged = self.staged_model is not None
-        if staged and self._new_model_in_place():  # it failed after both renames: keep the new pair
-            self.finish()
-            return
-        if self.had_old_data:
-            os.replace(_aside(self.data), self.data)
-        elif staged and os.path.lexists(self.data):  # the new data file, where there was none
-            os.unlink(self.data)
-        if staged and os.path.lexists(_aside(self.out)) and not os.path.lexists(self.out):
-            os.rename(_aside(self.out), self.out)
-
-    def finish(self) -> None:
-        if self.had_old_data and os.path.lexists(_aside(self.data)):
-            os.unlink(_aside(self.data))
-
-    def _new_model_in_place(self) -> bool:
+    # the model names its data file relatively: both are saved side by side in a folder of their
+    # own, checked there, then moved to the temporary names that atomic_output renames into place
+    target = os.path.realpath(out)
+    data_path = target + ".data"
+    with atomic_output(out, force=force, inputs=inputs, on_note=on_note, extra=[data_path]) as temp:
+        stage = temp + ".d"
         try:
-            info = os.stat(self.out)
-        except FileNotFoundError:
-            return False
-        return (info.st_dev, info.st_ino) == self.staged_model
-
-
-def _aside(path: str) -> str:
-    """Where ``atomic_output`` moves an old output while the new one is renamed into place."""
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.fusectl-old-{os.getpid()}")
+            os.makedirs(stage)
+            staged = os.path.join(stage, os.path.basename(target))
+            ir.save(model, staged, external_data=os.path.basename(data_path))
+            _check(staged)
+            os.replace(staged + ".data", temporary_name(data_path))
+            os.replace(staged, temp)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def _check(path: str) -> None:
