@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 # the subpackages named like API functions are loaded first: loading a submodule binds its
 # name on this package, and would otherwise replace the function later
 from . import plan as _plan_module, verify as _verify_package  # noqa: E402
-from .api import FuseReport, Planned, export, fuse, map_names, plan, unfuse, verify  # noqa: E402
+from .api import FuseReport, Planned, convert, export, fuse, map_names, plan, unfuse, verify  # noqa: E402
 
 del _plan_module, _verify_package
 from .errors import FusectlError  # noqa: E402
@@ -24,6 +24,7 @@ __all__ = [
     "FusectlError",
     "Planned",
     "__version__",
+    "convert",
     "export",
     "fuse",
     "map_names",

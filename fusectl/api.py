@@ -144,6 +144,28 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
                   progress=progress, on_note=on_note)
 
 
+def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False,
+            write_ties_once: bool = False, config: str | None = None, follow_symlinks: bool = False,
+            progress: bool | None = False, on_note: Callable[[str], None] | None = None) -> FuseReport:
+    """Write a checkpoint in another format (``.safetensors``, ``.npz`` or a folder) with no rules:
+    the same tensors, ties written once with their aliases recorded, and the input's provenance
+    (if any) carried over. To read a training dict, open it with its key first:
+    ``convert(open_checkpoint("ckpt.pth", key="model_state_dict"), "model.safetensors")``.
+
+    >>> import os, tempfile
+    >>> out = os.path.join(tempfile.mkdtemp(), "model.npz")
+    >>> convert("fixtures/tied-embeddings.safetensors", out).ties
+    [['embed.weight', 'head.weight']]
+    """
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    table = checkpoint.table.copy()
+    if write_ties_once:
+        table.store_once()
+    history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
+    return _write(checkpoint, table, history, out, max_shard_size=max_shard_size, force=force,
+                  progress=progress, on_note=on_note)
+
+
 def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False):
     """Pair a checkpoint's structural names with the initializers of ``graph`` (an exporter's
     ``.onnx``): by name, then by equal content, then by equal transposed content; a

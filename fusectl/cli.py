@@ -15,7 +15,7 @@ import click
 
 from . import __version__, api
 from .errors import FusectlError, OutputError, printable
-from .io.checkpoint import Checkpoint, open_checkpoint
+from .io.checkpoint import Checkpoint, open_checkpoint, takes_key
 from .io.provenance import plan_to_json
 from .plan import Plan
 from .rules.presets import preset_description, preset_names, preset_text
@@ -94,9 +94,35 @@ links_option = click.option(
 )
 
 
-def _open(path: str, config_path: str | None = None) -> Checkpoint:
-    """open_checkpoint with the command line's --follow-symlinks."""
-    return open_checkpoint(path, config_path, allow_outside_links=_follow_symlinks())
+def _set_key(ctx, param, value):
+    if value is not None:
+        ctx.find_root().meta["fusectl.key"] = value
+    return value
+
+
+key_option = click.option(
+    "--key", expose_value=False, callback=_set_key, metavar="KEY",
+    help="The state dict inside a PyTorch training dict (dotted for nesting: state.model); by "
+         "default the top level when it holds tensors, else the one nested dict that does.",
+)
+
+
+def _key() -> str | None:
+    return click.get_current_context().find_root().meta.get("fusectl.key")
+
+
+def _open(path: str, config_path: str | None = None, *, key_if_pytorch: bool = False) -> Checkpoint:
+    """open_checkpoint with the command line's --follow-symlinks and --key (``key_if_pytorch``:
+    the key goes to PyTorch files only, for commands that read two inputs)."""
+    key = _key()
+    if key_if_pytorch and not takes_key(path):
+        key = None
+    return open_checkpoint(path, config_path, allow_outside_links=_follow_symlinks(), key=key)
+
+
+def inputs_options(fn):
+    """--follow-symlinks and --key: how a command reads its checkpoint."""
+    return links_option(key_option(fn))
 
 
 debug_option = click.option(
@@ -142,8 +168,8 @@ def _forward_plan(ckpt, rules, config_path, untie, adopt, write_ties_once=False)
     """Open CKPT and bind RULES to it (a usage error without rules)."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    return api.plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt,
-                    write_ties_once=write_ties_once, follow_symlinks=_follow_symlinks())
+    return api.plan(_open(ckpt, config_path), rules, untie=untie, detect_ties=adopt,
+                    write_ties_once=write_ties_once)
 
 
 def _parameters_json(table: ParamTable) -> list[dict]:
@@ -186,7 +212,7 @@ write_once_option = click.option(
 
 
 @command(main, "inspect")
-@links_option
+@inputs_options
 @click.argument("ckpt", type=click.Path())
 @json_option
 @click.option("--detect-ties", "detect", is_flag=True,
@@ -206,6 +232,8 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         **_summary(c.table),
         "provenance": c.provenance.to_json() if c.provenance else None,
         "config": c.config_path,
+        "state_dict_key": c.state_dict_key,
+        "ignored": c.ignored,
     }
     if detect:
         known = {tuple(g) for g in c.table.ties()}
@@ -217,6 +245,10 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         return
     click.echo(f"{ckpt}: {c.format}, {len(c.files)} file(s), {report['unique_count']} unique "
                f"parameters, {_human(report['total_bytes'])}")
+    if c.state_dict_key is not None:
+        click.echo(f"state dict: {printable(c.state_dict_key)} (pass --key to choose another)")
+    if c.ignored:
+        click.echo(f"ignored (not tensors): {_names(c.ignored)}")
     width = max((len(printable(p["name"])) for p in report["parameters"]), default=0)
     for p in report["parameters"]:
         tie = f"  -> {printable(p['unique'])}" if p["unique"] != p["name"] else ""
@@ -270,7 +302,7 @@ def _plan_json(plan: Plan, result: ParamTable) -> dict:
 
 
 @command(main, "plan")
-@links_option
+@inputs_options
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @json_option
@@ -358,7 +390,7 @@ def _report_written(report: api.FuseReport, as_json: bool, started: float) -> No
 
 
 @command(main, "fuse")
-@links_option
+@inputs_options
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @with_output_options
@@ -377,14 +409,14 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
     started = time.monotonic()
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    report = api.fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie,
-                      detect_ties=adopt, write_ties_once=write_ties_once, config=config_path,
-                      follow_symlinks=_follow_symlinks(), progress=False if quiet else None, on_note=_note)
+    report = api.fuse(_open(ckpt, config_path), rules, out, max_shard_size=max_shard_size, force=force,
+                      untie=untie, detect_ties=adopt, write_ties_once=write_ties_once,
+                      progress=False if quiet else None, on_note=_note)
     _report_written(report, as_json, started)
 
 
 @command(main, "unfuse")
-@links_option
+@inputs_options
 @click.argument("ckpt", type=click.Path())
 @rules_option
 @with_output_options
@@ -400,14 +432,38 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
       fusectl unfuse fused/ -o restored/
     """
     started = time.monotonic()
-    report = api.unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
-                        write_ties_once=write_ties_once, config=config_path, follow_symlinks=_follow_symlinks(),
-                        progress=False if quiet else None, on_note=_note)
+    report = api.unfuse(_open(ckpt, config_path), out, rules, max_shard_size=max_shard_size, force=force,
+                        untie=untie, write_ties_once=write_ties_once, progress=False if quiet else None,
+                        on_note=_note)
+    _report_written(report, as_json, started)
+
+
+@command(main, "convert")
+@inputs_options
+@click.argument("ckpt", type=click.Path())
+@with_output_options
+@write_once_option
+@config_option
+@json_option
+def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json):
+    """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
+
+    Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
+    without torch), an ONNX model's initializers, safetensors, npz. Tensors stored as file
+    ranges are copied without decoding; shared storages and ties are written once.
+
+    \b
+    Example:
+      fusectl convert training.pth --key model_state_dict -o model.safetensors
+    """
+    started = time.monotonic()
+    report = api.convert(_open(ckpt, config_path), out, max_shard_size=max_shard_size, force=force,
+                         write_ties_once=write_ties_once, progress=False if quiet else None, on_note=_note)
     _report_written(report, as_json, started)
 
 
 @command(main, "map")
-@links_option
+@inputs_options
 @click.argument("ckpt", type=click.Path())
 @click.argument("graph", type=click.Path())
 @json_option
@@ -446,7 +502,7 @@ def map_cmd(ckpt, graph, as_json, config_path):
 
 
 @command(main, "export")
-@links_option
+@inputs_options
 @click.argument("ckpt", type=click.Path())
 @click.option("--graph", "graph", required=True, type=click.Path(dir_okay=False),
               help="ONNX graph exported from the model with the unfused layout.")
@@ -467,8 +523,7 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
       fusectl export bert-fused/ --graph fixtures/onnx/bert/model.onnx -o bert-fused.onnx
       fusectl verify fixtures/onnx/bert/model.onnx bert-fused.onnx --inputs fixtures/onnx/bert/io.npz
     """
-    report = api.export(ckpt, graph, out, force=force, config=config_path, follow_symlinks=_follow_symlinks(),
-                        on_note=_note)
+    report = api.export(_open(ckpt, config_path), graph, out, force=force, on_note=_note)
     if as_json:
         _emit_json(report.__dict__)
     else:
@@ -570,7 +625,7 @@ class SeedType(click.ParamType):
 
 
 @command(main, "verify")
-@links_option
+@inputs_options
 @click.argument("reference", type=click.Path())
 @click.argument("candidate", type=click.Path())
 @rules_option
@@ -622,6 +677,8 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
     # rules files and --config are inputs too; a preset name is not a path
     named = [p for p in (*rules, config_path) if p and os.path.exists(p)]
     graphs = [p.endswith(".onnx") for p in (reference, candidate)]
+    if any(graphs) and _key() is not None:
+        _fail(ctx, "--key selects a state dict inside a PyTorch checkpoint; it does not apply to .onnx models")
     if all(graphs):
         sources = [*model_input_paths(reference), *model_input_paths(candidate), *named]
         check_report_destinations(destinations, sources + ([inputs_file] if inputs_file else []))
@@ -638,8 +695,11 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
         used = [o for o, v in (("--input", input_shapes), ("--dim", dims), ("--inputs", inputs_file)) if v]
         if used:
             _fail(ctx, f"{used[0]} applies to two .onnx models; with checkpoints, verify makes its own inputs")
-        ref = _open(reference, config_path)
-        cand = _open(candidate, config_path)
+        ref = _open(reference, config_path, key_if_pytorch=True)
+        cand = _open(candidate, config_path, key_if_pytorch=True)
+        if _key() is not None and not {ref.format, cand.format} & {"pytorch"}:
+            _fail(ctx, f"--key selects a state dict inside a PyTorch file; neither {printable(reference)} nor "
+                       f"{printable(candidate)} is one, so leave it out")
         check_report_destinations(destinations, [*ref.input_paths(), *cand.input_paths(), *named])
         report = api.verify(ref, cand, rules=rules, provider=provider, atol=atol, rtol=rtol, seed=seed,
                             config=config_path)

@@ -72,8 +72,9 @@ def test_a_folder_holding_no_weight_file_says_what_it_looks_for(cli, tmp_path):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    (folder / "model.bin").write_bytes(b"\0" * 8)
-    refused(cli("inspect", folder), f"{folder}: holds no .safetensors, .safetensors.index.json or .npz file")
+    (folder / "model.msgpack").write_bytes(b"\0" * 8)  # Flax weights: not read
+    refused(cli("inspect", folder), f"{folder}: holds no .safetensors, .safetensors.index.json, .npz, PyTorch "
+                                    "(.pt, .pth, .bin, .ckpt, *.bin.index.json) file")
 
 
 def test_an_index_without_metadata_reads(cli, tmp_path):

@@ -18,8 +18,11 @@ from .safetensors_file import read_header
 from .untrusted import check_regular_file, load_json, open_input
 
 INDEX_SUFFIX = ".safetensors.index.json"
+TORCH_INDEX_SUFFIX = ".bin.index.json"  # pytorch_model.bin.index.json
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 # files that hold weights; everything else in a Hugging Face folder travels with the output
-WEIGHT_SUFFIXES = (".safetensors", INDEX_SUFFIX, ".bin", ".pt", ".pth", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5")
+WEIGHT_SUFFIXES = (".safetensors", INDEX_SUFFIX, TORCH_INDEX_SUFFIX, *TORCH_SUFFIXES, ".npz", ".onnx",
+                   ".onnx_data", ".msgpack", ".h5")
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Checkpoint:
     """A checkpoint opened lazily: its table, where it came from, and what travels with it."""
 
     path: str
-    format: str  # "safetensors", "safetensors-sharded", "npz"
+    format: str  # "safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx"
     files: list[str]
     table: ParamTable
     metadata: dict[str, str] = field(default_factory=dict)
@@ -45,6 +48,10 @@ class Checkpoint:
     config: dict | None = None
     config_path: str | None = None
     companions: list[Companion] = field(default_factory=list)
+    # a PyTorch file: the dotted key of the state dict read (None: the top level), and the
+    # entries of it that are not tensors (ignored)
+    state_dict_key: str | None = None
+    ignored: list[str] = field(default_factory=list)
 
     def input_paths(self) -> list[str]:
         """Every path this checkpoint reads from: an output may not overwrite any of them."""
@@ -52,8 +59,16 @@ class Checkpoint:
         return [self.path, *self.files, *(c.source for c in self.companions), *config]
 
 
-def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False) -> Checkpoint:
-    """Read headers of a safetensors file, sharded index, Hugging Face folder or npz archive.
+def takes_key(path: str) -> bool:
+    """Whether ``path`` names a PyTorch file, whose state dict ``--key`` may select."""
+    return os.path.isfile(path) and path.endswith(TORCH_SUFFIXES)
+
+
+def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False,
+                    key: str | None = None) -> Checkpoint:
+    """Read headers of a safetensors file, sharded index, Hugging Face folder, npz archive,
+    PyTorch file (``torch.save``; ``key`` selects the state dict of a training dict, dotted for
+    nesting) or an ONNX model's initializers.
 
     ``config.json`` beside the checkpoint (or ``config_path``) supplies ``config:`` variables.
     Inside an input folder, fusectl follows a symbolic link only where it resolves inside
@@ -76,10 +91,19 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         folder = os.path.dirname(os.path.abspath(path))
         boundary = LinkBoundary.around(folder, allow_outside_links)
 
+    source_aliases: dict[str, str] = {}
+    state_dict_key, ignored = None, []
+    if key is not None and not target.endswith(TORCH_SUFFIXES):
+        raise CheckpointError(f"{target}: --key selects a state dict inside a PyTorch file (.pt, .pth, .bin, "
+                              ".ckpt); this checkpoint is not one, so leave it out")
+    provenance_text = None
     if target.endswith(INDEX_SUFFIX):
-        stored, metadata, files, index_meta = _read_sharded(target, boundary)
+        stored, metadata, files, index_meta, _ = _read_sharded(target, boundary, read_header)
         fmt = "safetensors-sharded"
         provenance_text = index_meta.get(METADATA_KEY)
+    elif target.endswith(TORCH_INDEX_SUFFIX):
+        stored, metadata, files, _, source_aliases = _read_sharded(target, boundary, _read_torch_shard)
+        fmt = "pytorch-sharded"
     elif target.endswith(".safetensors"):
         stored, metadata = read_header(target)
         files, fmt = [target], "safetensors"
@@ -88,10 +112,22 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         stored, metadata = read_npz(target)
         files, fmt = [target], "npz"
         provenance_text = metadata.get(METADATA_KEY)
+    elif target.endswith(TORCH_SUFFIXES):
+        from .torch_file import read_torch
+
+        contents = read_torch(target, key)
+        stored, metadata, files, fmt = contents.tensors, {}, [target], "pytorch"
+        source_aliases, state_dict_key, ignored = contents.aliases, contents.key, contents.ignored
+    elif target.endswith(".onnx"):
+        from ..onnx.initializers import read_initializers  # loads onnx-ir only for models
+
+        stored, data_files = read_initializers(target)
+        metadata, files, fmt = {}, [target, *data_files], "onnx"
     else:
         raise CheckpointError(
-            f"{target}: unsupported checkpoint format; fusectl reads .safetensors, "
-            f"*{INDEX_SUFFIX}, Hugging Face folders and .npz"
+            f"{target}: unsupported checkpoint format; fusectl reads .safetensors, *{INDEX_SUFFIX}, "
+            f".npz, PyTorch files ({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX}), .onnx initializers "
+            "and Hugging Face folders holding them"
         )
 
     table = ParamTable.from_stored(stored)
@@ -106,6 +142,7 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
             config_path = beside
     config = _read_config(config_path) if config_path else None
     aliases = merge_aliases([
+        (f"{target} (shared storage)", source_aliases),
         (f"{target} (fusectl provenance)", provenance.aliases if provenance else {}),
         (f"{target} (save_model metadata)", aliases_from_metadata(metadata, stored)),
         (f"{config_path} (tie_word_embeddings)", aliases_from_config(config, stored)),
@@ -114,7 +151,8 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     passthrough = {
         k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
     }
-    return Checkpoint(path, fmt, files, table, passthrough, provenance, config, config_path, companions)
+    return Checkpoint(path, fmt, files, table, passthrough, provenance, config, config_path, companions,
+                      state_dict_key, ignored)
 
 
 # a folder inside a Hugging Face cache snapshot: group 1 is the repository's cache folder,
@@ -265,25 +303,35 @@ def _read_config(path: str) -> dict:
 
 
 def _pick_in_folder(folder: str) -> str:
+    """The weights of a Hugging Face folder: safetensors first (an index, else one file), else
+    one .npz, else PyTorch's (``pytorch_model.bin.index.json``, else one .bin/.pt/.pth file)."""
     names = sorted(os.listdir(folder))
-    indexes = [n for n in names if n.endswith(INDEX_SUFFIX)]
-    if len(indexes) == 1:
-        return os.path.join(folder, indexes[0])
-    singles = [n for n in names if n.endswith(".safetensors")]
-    if not indexes and len(singles) == 1:
-        return os.path.join(folder, singles[0])
-    npz = [n for n in names if n.endswith(".npz")]
-    if not indexes and not singles and len(npz) == 1:
-        return os.path.join(folder, npz[0])
-    found = indexes or singles or npz
-    if found:
-        raise CheckpointError(
-            f"{folder}: holds {', '.join(found)}; name the one to read instead of the folder"
-        )
-    raise CheckpointError(f"{folder}: holds no .safetensors, {INDEX_SUFFIX} or .npz file")
+    by_preference = [
+        [n for n in names if n.endswith(INDEX_SUFFIX)],
+        [n for n in names if n.endswith(".safetensors")],
+        [n for n in names if n.endswith(".npz")],
+        [n for n in names if n.endswith(TORCH_INDEX_SUFFIX)],
+        [n for n in names if n.endswith(TORCH_SUFFIXES)],
+    ]
+    for found in by_preference:
+        if len(found) == 1:
+            return os.path.join(folder, found[0])
+        if found:
+            raise CheckpointError(f"{folder}: holds {', '.join(found)}; name the one to read instead of the folder")
+    raise CheckpointError(f"{folder}: holds no .safetensors, {INDEX_SUFFIX}, .npz, PyTorch "
+                          f"({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX}) file")
 
 
-def _read_sharded(index_path: str, boundary: LinkBoundary):
+def _read_torch_shard(path: str):
+    from .torch_file import read_torch
+
+    contents = read_torch(path)
+    return contents.tensors, {}, contents.aliases
+
+
+def _read_sharded(index_path: str, boundary: LinkBoundary, read_shard):
+    """The shards an index names, each read with ``read_shard(path)`` → (tensors, metadata) or
+    (tensors, metadata, aliases); the index must put every tensor in the shard that holds it."""
     index = _read_json(index_path, "the index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -299,7 +347,9 @@ def _read_sharded(index_path: str, boundary: LinkBoundary):
         raise CheckpointError(f"{index_path}: 'metadata' must be an object")
     folder = os.path.dirname(index_path)
     stored: dict[str, LazyTensor] = {}
+    holder: dict[str, str] = {}  # name -> the shard file holding it
     metadata: dict[str, str] = {}
+    aliases: dict[str, str] = {}
     files = []
     for shard in sorted(set(weight_map.values())):
         shard_path = os.path.join(folder, shard)
@@ -308,20 +358,22 @@ def _read_sharded(index_path: str, boundary: LinkBoundary):
         if not os.path.lexists(shard_path):
             raise CheckpointError(f"{index_path}: shard {_shown(shard)} is missing beside the index")
         boundary.check(shard_path)
-        tensors, shard_meta = read_header(shard_path)
+        tensors, shard_meta, *shard_aliases = read_shard(shard_path)
         files.append(shard_path)
         check_limit("tensors", len(stored) + len(tensors), index_path)
-        for name, tensor in tensors.items():
-            if name in stored:
+        for name in (*tensors, *(shard_aliases[0] if shard_aliases else ())):
+            if name in holder:
                 raise CheckpointError(f"{shard_path}: tensor {quote(name)} is also stored in another shard")
-            stored[name] = tensor
+            holder[name] = shard_path
+        stored.update(tensors)
+        aliases.update(shard_aliases[0] if shard_aliases else {})
         metadata.update(shard_meta)
     for name, shard in weight_map.items():
-        if name not in stored or stored[name].location.path != os.path.join(folder, shard):
+        if holder.get(name) != os.path.join(folder, shard):
             raise CheckpointError(
                 f"{index_path}: the index puts {_shown(name)} in {_shown(shard)}, which does not hold it"
             )
-    return stored, metadata, files, index_meta
+    return stored, metadata, files, index_meta, aliases
 
 
 def _shown(name: str) -> str:
