@@ -280,31 +280,44 @@ def generate_checkpoint(folder, cfg, shard_bytes, seed):
     return len(files)
 
 
-def ensure_checkpoint(workdir, label, cfg, shard_bytes, seed, log):
-    """The cached checkpoint for these parameters, generated if missing or stale."""
-    params = {"config": cfg, "shard_bytes": shard_bytes, "seed": seed, "version": GENERATOR_VERSION}
+def cached_folder(root, stem, params, build):
+    """``ROOT/STEM-<hash of params>``, made with ``build(temp)`` unless complete: (folder, result).
+
+    ``build`` makes a new folder at ``temp`` (beside the final one, renamed into place when build
+    returns); the marker FOLDER.complete.json (beside, not inside: cp -r must copy only the
+    checkpoint) is written last. ``result`` is what build returned, None when the folder was reused.
+    """
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
-    root = os.path.join(workdir, "checkpoints")
     os.makedirs(root, exist_ok=True)
-    folder = os.path.join(root, f"llama-{label}-{key}")
-    marker = folder + ".complete.json"  # beside, not inside: cp -r must copy only the checkpoint
+    folder = os.path.join(root, f"{stem}-{key}")
+    marker = folder + ".complete.json"
     if os.path.isdir(folder) and os.path.exists(marker):
-        log(f"[{label}] reusing {folder}")
-        return folder
+        return folder, None
     shutil.rmtree(folder, ignore_errors=True)
-    temp = tempfile.mkdtemp(prefix=f".llama-{label}-", dir=root)
+    temp = tempfile.mkdtemp(prefix=f".{stem}-", dir=root)
     os.rmdir(temp)
-    t0 = time.perf_counter()
     try:
-        shards = generate_checkpoint(temp, cfg, shard_bytes, seed)
+        result = build(temp)
         os.rename(temp, folder)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     with open(marker, "w") as f:
         json.dump(params, f, indent=2)
-    log(f"[{label}] generated {folder}: {checkpoint_bytes(cfg) / 1e9:.2f} GB in {shards} shards, "
-        f"{time.perf_counter() - t0:.1f} s")
+    return folder, result
+
+
+def ensure_checkpoint(workdir, label, cfg, shard_bytes, seed, log):
+    """The cached checkpoint for these parameters, generated if missing or stale."""
+    params = {"config": cfg, "shard_bytes": shard_bytes, "seed": seed, "version": GENERATOR_VERSION}
+    t0 = time.perf_counter()
+    folder, shards = cached_folder(os.path.join(workdir, "checkpoints"), f"llama-{label}", params,
+                                   lambda temp: generate_checkpoint(temp, cfg, shard_bytes, seed))
+    if shards is None:
+        log(f"[{label}] reusing {folder}")
+    else:
+        log(f"[{label}] generated {folder}: {checkpoint_bytes(cfg) / 1e9:.2f} GB in {shards} shards, "
+            f"{time.perf_counter() - t0:.1f} s")
     return folder
 
 
@@ -553,6 +566,31 @@ def summarize(runs, labels, sizes_bytes, floor_kb):
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
+
+def startup_line(what: str, measured) -> str:
+    """``WHAT, N runs: median S s, M MB`` over ``measure()`` results."""
+    return (f"{what}, {len(measured)} runs: median {statistics.median(m[0] for m in measured):.2f} s, "
+            f"{statistics.median(m[1] for m in measured) * 1024 / MB:.0f} MB")
+
+
+def write_json(path: str, record) -> None:
+    """``record`` as indented JSON with a final newline (the --json FILE of a benchmark)."""
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+
+
+def exit_status(main, name: str) -> int:
+    """Run a benchmark's ``main()``: a failed run or check prints one ``NAME: FAILED:`` line, gives 1."""
+    try:
+        return main()
+    except BenchError as e:
+        failure = str(e)
+    except subprocess.CalledProcessError as e:
+        failure = f"exit status {e.returncode}: {' '.join(map(str, e.cmd))}"
+    print(f"{name}: FAILED: {failure}", file=sys.stderr)
+    return 1
+
 
 def add_common_arguments(parser, repeat: int) -> None:
     """The options fuse_bench and verify_bench share (same checkpoints: same --shard-size, --seed)."""

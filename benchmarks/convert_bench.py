@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""Benchmark: ``fusectl convert`` of a PyTorch checkpoint to safetensors against torch.load + save_file.
+
+What it measures
+    For synthetic bf16 Llama-style state dicts (``fuse_bench.llama_tensors`` of ``fuse_bench.SIZES``:
+    "1GB" is 8 layers, "2.4GB" 24 layers, "tiny" a smoke test of a few MB) saved with
+    ``torch.save`` as one ``pytorch_model.bin`` (the default zip format), with ``lm_head.weight``
+    the same tensor object as ``model.embed_tokens.weight`` as in a tied model (so the file stores
+    that storage once: 0.85 GB for "1GB", 2.30 GB for "2.4GB"), the wall time and the peak
+    resident memory (RSS) of three ways of reading it:
+
+      read     ``cat IN > /dev/null``: the least any conversion has to do;
+      convert  ``fusectl convert IN -o OUT.safetensors --quiet --force`` (reads the pickle without
+               torch and copies each storage as a byte range; fsyncs OUT before renaming it into place);
+      torch    ``TORCH_PYTHON WORKDIR/convert_bench/torch_convert.py IN OUT.safetensors`` (the script
+               is written by this benchmark, see BASELINE below): ``torch.load(IN, map_location="cpu",
+               weights_only=True)``, the shared names dropped as ``safetensors.torch.save_model``
+               does (the first sorted name of a storage is kept, the others are recorded in
+               ``__metadata__`` as ``{removed: kept}``), ``safetensors.torch.save_file``, then
+               ``os.fsync`` of OUT and of its folder -- as durable as fusectl's output.
+
+    The summary prints the goals: convert / torch median wall time <= 0.5x, and convert peak RSS
+    < 300 MB; torch's peak RSS is printed beside it.
+
+How it measures
+    With ``fuse_bench.py``'s machinery, imported, not copied: every run is a fresh process under
+    its fork/exec/wait4 wrapper (wall time around fork..wait4, peak RSS the child's ``ru_maxrss``;
+    the wrapper's floor, measured on ``true``, is printed); repetitions rotate the order of the
+    methods by the repetition number, after one untimed warm-up round (``--warmup``); the input
+    is read once before measuring, so the page cache is warm; before each run the previous output
+    is deleted and ``sync`` is called. The start-up alone of each side (``fusectl --version``;
+    ``TORCH_PYTHON -c "import torch, safetensors.torch"``) is measured and printed under the table.
+    After the first round (the warm-up round when there is one) each size's convert output is
+    checked against its torch output from the safetensors headers, without torch: the same
+    tensor names but for the tied pair (of which each output stores at least one member and
+    records any other in ``__metadata__`` as an alias of it), the dtypes and shapes
+    ``llama_tensors`` gives, and byte-identical data for every tensor. A mismatch stops the
+    benchmark with exit status 1.
+
+    The input is generated once per size by TORCH_PYTHON running WORKDIR/convert_bench/
+    generate_torch.py (random finite bf16 from a fixed seed; torch.save needs the whole dict in
+    memory, so generating holds about the checkpoint's size) and cached under
+    ``WORKDIR/checkpoints/torch-<size>-<hash>/`` (``pytorch_model.bin`` and a ``config.json`` with
+    ``tie_word_embeddings: true``), with a ``.complete.json`` marker beside it.
+
+How to run
+    /work/main/.venv/bin/python benchmarks/convert_bench.py                 # 1GB, 3 reps
+    /work/main/.venv/bin/python benchmarks/convert_bench.py --sizes 1GB,2.4GB --json convert.json
+    /work/main/.venv/bin/python benchmarks/convert_bench.py --sizes tiny --repeat 1   # smoke test
+    /work/main/.venv/bin/python benchmarks/convert_bench.py --methods read,torch      # no fusectl run
+
+What it needs
+    Linux (``os.wait4``, ``fork``), ``cat`` on PATH, the Python of a venv where fusectl is
+    installed with numpy (fusectl is looked up beside ``sys.executable``, else on PATH;
+    ``--fusectl`` overrides), and a second Python with torch and safetensors
+    (``--torch-python``, default /work/venv-gen/bin/python) for the generator and the baseline.
+    Disk under ``--workdir`` (default /work/bench-data, never committed): the inputs (0.85 GB for
+    1GB, 2.3 GB for 2.4GB, kept) plus two outputs of one size at a time. Memory: the torch
+    baseline holds the whole state dict (about the checkpoint's size, plus torch). The default run
+    takes about 30 s on a 2-core VM (1.5 minutes with 2.4GB); generating the inputs the first
+    time adds ~10 s (1GB) and ~25 s (2.4GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fuse_bench  # noqa: E402  (the benchmarks folder is not a package)
+from fuse_bench import MB, SIZES, BenchError  # noqa: E402
+
+GENERATOR_VERSION = 1  # bump when the generated bytes or layout change, to invalidate the cache
+METHODS = ["read", "convert", "torch"]
+DEFAULT_SIZES = ["1GB"]
+TORCH_PYTHON = "/work/venv-gen/bin/python"
+RATIO_GOAL = 0.5        # convert / torch, median wall time
+CONVERT_RSS_GOAL_MB = 300
+# tied as in a model with tie_word_embeddings: the head is the embedding's tensor object
+TIES = {"lm_head.weight": "model.embed_tokens.weight"}
+TIED_GROUP = set(TIES) | set(TIES.values())
+STARTUP = {"fusectl": "fusectl --version", "torch": "import torch, safetensors.torch"}
+
+GENERATOR = r'''"""convert_bench's input: a bf16 state dict saved with torch.save (zip format).
+
+Usage: python generate_torch.py SPEC.json, SPEC = {"tensors": [[name, shape]...],
+"ties": {alias: name}, "seed": int, "out": path}. Values are random finite bf16 (random 16-bit
+patterns with the exponent's top bit cleared: |x| < 2), one tensor after another from one seeded
+generator; an alias is the very tensor object of the name it is tied to (one storage in the file).
+"""
+import json
+import sys
+
+import torch
+
+with open(sys.argv[1]) as f:
+    spec = json.load(f)
+generator = torch.Generator().manual_seed(spec["seed"])
+state_dict = {}
+for name, shape in spec["tensors"]:
+    if name in spec["ties"]:
+        state_dict[name] = state_dict[spec["ties"][name]]
+        continue
+    bits = torch.randint(-32768, 32768, shape, dtype=torch.int16, generator=generator)
+    bits.bitwise_and_(-16385)  # 0xBFFF as int16
+    state_dict[name] = bits.view(torch.bfloat16)
+torch.save(state_dict, spec["out"])
+'''
+
+BASELINE = r'''"""convert_bench's baseline: torch.load + safetensors.torch.save_file, fsynced like fusectl.
+
+Usage: python torch_convert.py IN.bin OUT.safetensors
+"""
+import os
+import sys
+
+import safetensors.torch
+import torch
+
+src, dst = sys.argv[1:]
+state_dict = torch.load(src, map_location="cpu", weights_only=True)
+# save_file refuses tensors that share storage; keep one name per storage as
+# safetensors.torch.save_model does (the first sorted name) and record the others
+kept, metadata = {}, {"format": "pt"}
+for name in sorted(state_dict):
+    t = state_dict[name]
+    key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+    if key in kept:
+        metadata[name] = kept[key]
+    else:
+        kept[key] = name
+safetensors.torch.save_file({name: state_dict[name] for name in kept.values()}, dst, metadata=metadata)
+# fusectl fsyncs its output before renaming it into place: be as durable
+for path in (dst, os.path.dirname(os.path.abspath(dst))):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+'''
+
+
+# --------------------------------------------------------------------------------------------
+# inputs
+# --------------------------------------------------------------------------------------------
+
+def torch_checkpoint_bytes(cfg) -> int:
+    """Tensor bytes the .bin stores: every storage once (an alias adds nothing)."""
+    return fuse_bench.checkpoint_bytes(cfg) - sum(
+        2 * math.prod(shape) for name, shape in fuse_bench.llama_tensors(cfg) if name in TIES)
+
+
+def ensure_torch_checkpoint(workdir, label, cfg, seed, torch_python, scripts):
+    """``pytorch_model.bin`` of the cached folder for these parameters, generated if missing."""
+    params = {"config": cfg, "seed": seed, "ties": TIES, "version": GENERATOR_VERSION}
+
+    def generate(folder):
+        os.makedirs(folder)
+        spec = {"tensors": fuse_bench.llama_tensors(cfg), "ties": TIES, "seed": seed,
+                "out": os.path.join(folder, "pytorch_model.bin")}
+        spec_path = os.path.join(folder, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **cfg,
+                  "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                  "torch_dtype": "bfloat16"}
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+            f.write("\n")
+        subprocess.run([torch_python, scripts["generate"], spec_path], check=True)
+        os.unlink(spec_path)
+        return os.path.getsize(spec["out"])
+
+    t0 = time.perf_counter()
+    folder, size = fuse_bench.cached_folder(os.path.join(workdir, "checkpoints"), f"torch-{label}", params,
+                                            generate)
+    log(f"[{label}] reusing {folder}" if size is None else
+        f"[{label}] generated {folder}: {size / 1e9:.2f} GB, {time.perf_counter() - t0:.1f} s")
+    return os.path.join(folder, "pytorch_model.bin")
+
+
+# --------------------------------------------------------------------------------------------
+# the check: convert's output against torch's, headers and byte ranges only
+# --------------------------------------------------------------------------------------------
+
+def header_metadata(path) -> dict:
+    """``__metadata__`` of a safetensors file ({} when it has none)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)).get("__metadata__", {})
+
+
+def tied_members(path, tensors, what):
+    """The tied pair's members ``path`` stores; each other member must be recorded as an alias."""
+    stored = TIED_GROUP & tensors.keys()
+    if not stored:
+        raise BenchError(f"{what}: {path}: stores none of the tied tensors {sorted(TIED_GROUP)}")
+    metadata = header_metadata(path)
+    for name in sorted(TIED_GROUP - stored):
+        if metadata.get(name) not in stored:
+            raise BenchError(f"{what}: {path}: {name} is neither stored nor recorded in __metadata__ as an alias "
+                             f"of {sorted(stored)} (found {metadata.get(name)!r})")
+    return stored
+
+
+def check_outputs(converted, reference, cfg, what):
+    """``converted`` holds what ``reference`` does: names (but for the tie), dtypes, shapes, bytes."""
+    a, b = fuse_bench.read_header(converted), fuse_bench.read_header(reference)
+    tied_a, tied_b = tied_members(converted, a, what), tied_members(reference, b, what)
+    expected = {name: ("BF16", tuple(shape)) for name, shape in fuse_bench.llama_tensors(cfg)}
+    for path, tensors, tied in ((converted, a, tied_a), (reference, b, tied_b)):
+        names = tensors.keys() - tied
+        missing = sorted(expected.keys() - TIED_GROUP - names)
+        extra = sorted(names - expected.keys())
+        wrong = sorted(n for n in names & expected.keys() if tensors[n][1:3] != expected[n])
+        if missing or extra or wrong:
+            raise BenchError(f"{what}: {path}: missing {missing[:5]}, unexpected {extra[:5]}, "
+                             f"wrong dtype/shape {wrong[:5]}")
+    if a.keys() - tied_a != b.keys() - tied_b:
+        raise BenchError(f"{what}: the outputs hold different untied names: "
+                         f"{sorted((a.keys() - tied_a) ^ (b.keys() - tied_b))[:5]}")
+    tie_bytes = fuse_bench.tensor_bytes(b[min(tied_b)])
+    for path, tensors, tied in ((converted, a, tied_a), (reference, b, tied_b)):
+        for name in sorted(tied):
+            if fuse_bench.tensor_bytes(tensors[name]) != tie_bytes:
+                raise BenchError(f"{what}: {path}: {name} differs from {reference}: {min(tied_b)}")
+    for name in sorted(a.keys() - tied_a):
+        if fuse_bench.tensor_bytes(a[name]) != fuse_bench.tensor_bytes(b[name]):
+            raise BenchError(f"{what}: {converted}: {name} differs from {reference}")
+    return (f"{what}: {len(a)} tensors (tie stored as {sorted(tied_a)}; torch: {sorted(tied_b)}), "
+            f"names, dtypes, shapes and bytes equal to torch's output: OK")
+
+
+# --------------------------------------------------------------------------------------------
+# running one method
+# --------------------------------------------------------------------------------------------
+
+def method_command(method, src, dst, fusectl, torch_python, scripts):
+    if method == "read":
+        return ["sh", "-c", 'cat "$0" > /dev/null', src]
+    if method == "convert":
+        return [fusectl, "convert", src, "-o", dst, "--quiet", "--force"]
+    if method == "torch":
+        return [torch_python, scripts["baseline"], src, dst]
+    raise ValueError(method)
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+def report(runs, labels, methods, input_bytes, floor_kb):
+    """The table and the summary lines against the goals."""
+    row = "{0:<7} {1:<8} {2:>9} {3:>7} {4:>7} {5:>6} {6:>12} {7:>13}"
+    columns = row.format("size", "method", "median s", "min s", "max s", "GB/s", "peak RSS MB", "(min..max)")
+    out, med = [columns, "-" * len(columns)], {}
+    for label in labels:
+        for method in methods:
+            rs = [r for r in runs if (r["size"], r["method"]) == (label, method)]
+            walls = [r["wall_s"] for r in rs]
+            rss = [r["peak_rss_kb"] * 1024 / MB for r in rs]
+            wall, peak = med[label, method] = statistics.median(walls), statistics.median(rss)
+            at_floor = min(r["peak_rss_kb"] for r in rs) <= floor_kb * 1.05
+            out.append(row.format(label, method, f"{wall:.2f}", f"{min(walls):.2f}", f"{max(walls):.2f}",
+                                  f"{input_bytes[label] / 1e9 / wall:.2f}", f"{peak:.0f}{'*' if at_floor else ' '}",
+                                  f"({min(rss):.0f}..{max(rss):.0f})"))
+        out.append("")
+    out.append(f"* = at the measuring wrapper's floor ({floor_kb * 1024 / MB:.1f} MB): at most this; "
+               f"GB/s = input file size / median wall")
+    for label in labels:
+        wall = {m: med[label, m][0] for m in methods}
+        peak = {m: med[label, m][1] for m in methods}
+        if "convert" in wall and "torch" in wall:
+            ratio = wall["convert"] / wall["torch"]
+            out.append(f"{label}: convert / torch (median wall) = {ratio:.2f}x "
+                       f"({'within' if ratio <= RATIO_GOAL else 'OVER'} the {RATIO_GOAL:g}x goal)")
+        if "convert" in wall and "read" in wall:
+            out.append(f"{label}: convert / read (median wall) = {wall['convert'] / wall['read']:.2f}x")
+        if "convert" in peak:
+            out.append(f"{label}: convert peak RSS (median) = {peak['convert']:.0f} MB "
+                       f"({'within' if peak['convert'] < CONVERT_RSS_GOAL_MB else 'OVER'} the "
+                       f"< {CONVERT_RSS_GOAL_MB} MB goal)")
+        if "torch" in peak:
+            out.append(f"{label}: torch peak RSS (median) = {peak['torch']:.0f} MB "
+                       f"(input file {input_bytes[label] / MB:.0f} MB)")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def comma_list(parser, option, text, allowed):
+    """The names in ``option``'s comma-separated ``text``, each one of ``allowed``."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or not set(names) <= set(allowed):
+        parser.error(f"{option}: {text!r}: choose from {', '.join(allowed)}")
+    return names
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="See the top of this file for what is measured and how.")
+    fuse_bench.add_common_arguments(parser, repeat=3)
+    parser.set_defaults(sizes=",".join(DEFAULT_SIZES))
+    parser.add_argument("--torch-python", default=TORCH_PYTHON,
+                        help=f"a Python with torch and safetensors (default {TORCH_PYTHON})")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, from {', '.join(METHODS)} (default: all)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    labels = comma_list(parser, "--sizes", args.sizes, SIZES)
+    methods = comma_list(parser, "--methods", args.methods, METHODS)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    if args.shard_size != parser.get_default("shard_size"):
+        parser.error("--shard-size does not apply: the input is one pytorch_model.bin")
+    fusectl = args.fusectl or fuse_bench.find_fusectl()
+    workdir = os.path.abspath(args.workdir)
+    out_dir = os.path.join(workdir, "out")
+    script_dir = os.path.join(workdir, "convert_bench")
+    for folder in (out_dir, script_dir, os.path.join(workdir, "checkpoints")):
+        os.makedirs(folder, exist_ok=True)
+    scripts = {"generate": os.path.join(script_dir, "generate_torch.py"),
+               "baseline": os.path.join(script_dir, "torch_convert.py")}
+    for kind, text in (("generate", GENERATOR), ("baseline", BASELINE)):
+        with open(scripts[kind], "w") as f:
+            f.write(text)
+    input_bytes = {label: torch_checkpoint_bytes(SIZES[label]) for label in labels}
+
+    # inputs may be generated, plus two outputs of one size at a time
+    need = 1.1 * (sum(input_bytes.values()) + 2 * fuse_bench.checkpoint_bytes(SIZES[max(labels, key=input_bytes.get)]))
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise BenchError(f"{workdir}: {free / 1e9:.1f} GB free, need up to {need / 1e9:.1f} GB")
+
+    sources = {label: ensure_torch_checkpoint(workdir, label, SIZES[label], args.seed, args.torch_python,
+                                              scripts)
+               for label in labels}
+    input_bytes = {label: os.path.getsize(path) for label, path in sources.items()}
+    fuse_bench.warm(sources.values())
+    version = subprocess.run([fusectl, "--version"], capture_output=True, text=True).stdout.strip()
+    torch_version = subprocess.run(
+        [args.torch_python, "-c", "import torch, safetensors; print(torch.__version__, safetensors.__version__)"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    floor_kb = min(fuse_bench.measure(["true"], 60)[1] for _ in range(3))
+    log(f"fusectl: {fusectl} ({version}); torch, safetensors: {torch_version}; "
+        f"wrapper RSS floor {floor_kb} KiB")
+
+    runs, checked = [], set()
+    for rep in range(-args.warmup, args.repeat):
+        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+        name = f"rep {rep + 1}/{args.repeat}" if rep >= 0 else "warm-up"
+        for label in labels:
+            outputs = {m: os.path.join(out_dir, f"convert-{label}-{m}.safetensors") for m in methods}
+            for method in order:
+                fuse_bench.remove(outputs[method])
+                os.sync()
+                cmd = method_command(method, sources[label], outputs[method], fusectl, args.torch_python,
+                                     scripts)
+                wall, rss, utime, stime = fuse_bench.measure(cmd, args.timeout)
+                log(f"{name:<9} {label:<6} {method:<8} {wall:7.2f} s  {rss * 1024 / MB:7.0f} MB")
+                if rep >= 0:
+                    runs.append(dict(size=label, method=method, rep=rep, order=order.index(method),
+                                     wall_s=wall, peak_rss_kb=rss, user_s=utime, sys_s=stime))
+            if label not in checked and {"convert", "torch"} <= set(methods):
+                log("  " + check_outputs(outputs["convert"], outputs["torch"], SIZES[label], f"{label} convert"))
+                checked.add(label)
+            for path in outputs.values():
+                fuse_bench.remove(path)
+    os.sync()
+    startup = {"fusectl": [fuse_bench.measure([fusectl, "--version"], 60) for _ in range(3)],
+               "torch": [fuse_bench.measure([args.torch_python, "-c", STARTUP["torch"]], 60) for _ in range(3)]}
+
+    print()
+    print(f"fusectl convert vs torch.load + safetensors save_file (both fsynced) vs cat; bf16 Llama-style "
+          f"state dict in one pytorch_model.bin (torch.save zip, lm_head tied to embed_tokens); "
+          f"{args.repeat} runs each, alternating order, sync before each run, warm page cache")
+    for label in labels:
+        print(f"  {label}: {SIZES[label]['num_hidden_layers']} layers, "
+              f"{len(fuse_bench.llama_tensors(SIZES[label]))} names, {input_bytes[label] / MB:.0f} MB file")
+    print()
+    print(report(runs, labels, methods, input_bytes, floor_kb))
+    for side, measured in startup.items():
+        print(fuse_bench.startup_line(f"{side} start-up alone ({STARTUP[side]})", measured))
+    total = time.perf_counter() - started
+    print(f"\ntotal benchmark time: {total:.0f} s")
+    if args.json:
+        fuse_bench.write_json(args.json, {
+            "fusectl": fusectl, "fusectl_version": version, "torch_python": args.torch_python,
+            "torch_safetensors_versions": torch_version, "python": sys.version,
+            "machine": platform.platform(), "cpus": os.cpu_count(), "repeat": args.repeat,
+            "warmup_rounds": args.warmup, "wrapper_rss_floor_kb": floor_kb, "baseline_script": BASELINE,
+            "startup": {side: [dict(wall_s=w, peak_rss_kb=r, user_s=u, sys_s=s) for w, r, u, s in measured]
+                        for side, measured in startup.items()},
+            "sizes": {label: {"config": SIZES[label], "bytes": input_bytes[label], "source": sources[label]}
+                      for label in labels},
+            "runs": runs, "total_s": total,
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(fuse_bench.exit_status(main, "convert_bench"))
