@@ -43,6 +43,13 @@ LIMITS: dict[str, Limit] = {
         Limit("chunks", 1_000_000, "chunks or groups one step cuts a tensor into"),
         Limit("decompressed-bytes", 4_000_000_000, "bytes decompressed from one archive member"),
         Limit("verify-input-bytes", 2 * 2**30, "bytes of arrays in one verify --inputs file, decompressed"),
+        Limit("pickle-bytes", 1_000_000_000, "bytes of pickle in one PyTorch checkpoint"),
+        Limit("pickle-opcodes", 50_000_000, "pickle opcodes in one PyTorch checkpoint"),
+        Limit("pickle-items", 2_000_000, "items in one pickled list, dict, tuple or set"),
+        Limit("pickle-depth", 64, "levels of nesting in a PyTorch checkpoint's pickle"),
+        Limit("pickle-hash-keys", 10_000, "dict keys or set members in a PyTorch checkpoint's pickle that are "
+              "not strings or small integers (numbers and tuples, whose hashes a file can make collide)"),
+        Limit("expanded-bytes", 4_000_000_000, "bytes of one tensor that repeats its stored elements (an expanded view)"),
     )
 }
 

@@ -1,0 +1,1260 @@
+"""PyTorch checkpoints (``torch.save``, zip and legacy formats) read lazily, without torch.
+
+A ``torch.save`` file is a pickle whose tensors point into storage records: the members
+``<archive>/data/<key>`` of a zip archive (the default since PyTorch 1.6), or, in the legacy
+format, raw storages that follow the pickles in the same file. fusectl reads the pickle
+through an allow-list and keeps each tensor as a lazy description (storage, offset, shape,
+strides, dtype); no tensor byte is read until a step needs it.
+
+Unpickling runs code chosen by the file, so this module never lets it:
+
+1. Every pickle is first *scanned* (opcode by opcode, nothing constructed): a global outside
+   the allow-list below, or an opcode that builds arbitrary objects (``INST``, ``OBJ``,
+   ``NEWOBJ``, extension codes, out-of-band buffers), refuses the file before anything else
+   happens. ``STACK_GLOBAL`` names are followed through the memo. The scan also bounds the work
+   the pickle asks for (``pickle-bytes``, ``pickle-opcodes``, ``pickle-items``, ``pickle-depth``,
+   ``pickle-hash-keys``, ``integer-digits``): a pickle that builds a huge list is refused in
+   about the time it takes to read it; so is a tuple nested so deep that hashing it would
+   overflow CPython's C stack (a crash, not an exception), and a dict whose keys a file made
+   collide (each insertion would scan all earlier keys: hours for a few megabytes).
+2. Only then is it loaded by a :class:`pickle.Unpickler` whose ``find_class`` returns
+   fusectl's own stand-ins for the allowed globals (the tensor rebuild functions return lazy
+   descriptions, storage classes and dtypes are inert markers) and whose ``persistent_load``
+   turns storage references into lazy storage descriptions. Each tensor is then checked
+   against its storage (bounds, record size, ``expanded-bytes`` for a view that repeats its
+   elements) when the state dict is chosen, before a table is built from it.
+
+The allow-list, exactly: ``collections.OrderedDict``; ``torch._utils._rebuild_tensor``,
+``_rebuild_tensor_v2``, ``_rebuild_tensor_v3``, ``_rebuild_parameter``,
+``_rebuild_parameter_with_state``; ``torch._tensor._rebuild_from_type_v2`` with ``torch.Tensor``
+(a plain tensor that carries Python attributes); the typed storage classes
+(``torch.FloatStorage``, ``torch.BFloat16Storage``, …) and ``torch.storage.UntypedStorage``;
+the ``torch`` dtypes (``torch.float8_e4m3fn``, ``torch.uint16``, …, which ``_rebuild_tensor_v3``
+names); ``torch.Size``; and the builtins a pickle of plain data uses: ``set``, ``frozenset`` and
+``complex`` (as ``builtins.*`` and, in protocol 2, ``__builtin__.*``) and ``_codecs.encode`` (how
+protocol 2 writes ``bytes``; latin-1 only).
+
+>>> sorted(ALLOWED_GLOBALS)[:3]
+['__builtin__.complex', '__builtin__.frozenset', '__builtin__.set']
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from .. import dtypes
+from ..dtypes import DType
+from ..errors import CheckpointError, printable, quote
+from ..limits import check_limit, limit
+from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
+from .untrusted import collector_paused, open_input
+
+# the first pickle of a legacy file, and the version after it (torch/serialization.py)
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+_LEGACY_MAGIC_PICKLES = {pickle.dumps(_LEGACY_MAGIC, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
+_LEGACY_PROTOCOL_PICKLES = {pickle.dumps(_LEGACY_PROTOCOL, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
+_DIM_MAX = 2**63 - 1
+_SHOWN_CANDIDATES = 20
+
+
+@dataclass(frozen=True)
+class TorchContents:
+    """What :func:`read_torch` found in a PyTorch file."""
+
+    tensors: dict[str, LazyTensor]  # stored names → lazy tensors (one per unique storage view)
+    aliases: dict[str, str]  # name → the kept name it shares storage with (same offset, shape, strides, dtype)
+    key: str | None  # dotted key of the state dict chosen inside the file's object (None: the top level)
+    ignored: list[str]  # names of entries of the chosen state dict that are not tensors
+    candidates: dict[str, int]  # dotted key ("" = top level) → tensor count, of every dict of tensors considered
+
+
+def read_torch(path: str, key: str | None = None) -> TorchContents:
+    """The state dict of a ``torch.save`` file (zip or legacy format), as lazy tensors.
+
+    ``key`` is the dotted path of the state dict inside a training dict (``"model_state_dict"``,
+    ``"state.model"``; ``""`` is the top level). Without it: a top-level dict that holds a tensor
+    of at least one dimension is the state dict. Otherwise the candidates are the dicts reachable
+    through dicts (not lists) that hold tensors, leaving out optimizer state (a dict with
+    ``state`` and ``param_groups``, and what it holds, or a key containing ``optim``); when exactly
+    one of them holds a tensor of at least one dimension (or, failing that, exactly one holds
+    tensors: a lone ``step`` scalar does not make a training dict a state dict) it is the state
+    dict; otherwise a CheckpointError lists the candidates and asks for ``key``. Entries of the
+    state dict that are not tensors (a number, a nested dict) are listed in ``ignored``.
+
+    Names that view one storage with the same offset, shape, strides and dtype are one tensor:
+    the first in the dict's order is kept, the others are ``aliases``. A C-contiguous view of an
+    uncompressed little-endian storage is a :class:`FileTensor` (its bytes are one file range);
+    any other view is read from its storage and laid out on demand.
+    """
+    with open_input(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(4)
+        if head == b"PK\x03\x04":
+            archive = _read_zip(path, f, size)
+        elif head[:1] == b"\x80":
+            archive = _read_legacy(path, f, size)
+        else:
+            shown = "empty" if size == 0 else f"starts with {head!r}"
+            raise CheckpointError(
+                f"{printable(path)}: not a PyTorch checkpoint (the file is {shown}; torch.save writes a zip "
+                "archive or, in the legacy format, a pickle); re-save it with torch.save or name another file"
+            )
+    return _contents(path, archive, key)
+
+
+# ------------------------------------------------------------------------------- lazy tensors
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _FileSource:
+    """Storage bytes that lie as they are at ``offset`` of a file."""
+
+    path: str
+    offset: int
+
+    def read(self, start: int, length: int) -> bytes:
+        buffer = bytearray(length)
+        try:
+            with open(self.path, "rb") as f:
+                got = os.preadv(f.fileno(), [buffer], self.offset + start)
+        except OSError as e:
+            raise CheckpointError(f"{printable(self.path)}: cannot read it ({e.strerror})") from e
+        if got != length:
+            raise CheckpointError(
+                f"{printable(self.path)}: expected {length} bytes at offset {self.offset + start}, got {got}; "
+                "the file is truncated or changed while fusectl was reading it"
+            )
+        return bytes(buffer)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _MemberSource:
+    """Storage bytes in a compressed zip member: decompressed on read."""
+
+    path: str
+    member: str
+
+    def read(self, start: int, length: int) -> bytes:
+        where = f"{printable(self.path)}: member {quote(self.member)}"
+        try:
+            with open_input(self.path) as raw, zipfile.ZipFile(raw) as zf, zf.open(self.member) as f:
+                f.seek(start)
+                data = f.read(length)
+        except (OSError, EOFError, ValueError, KeyError, NotImplementedError, RuntimeError, zipfile.BadZipFile,
+                zlib.error) as e:
+            raise CheckpointError(f"{where}: cannot be decompressed ({printable(str(e))[:200]}); "
+                                  "the archive is corrupt or changed while fusectl was reading it") from e
+        if len(data) != length:
+            raise CheckpointError(f"{where}: ended after {start + len(data)} bytes, {start + length} needed; "
+                                  "the archive is corrupt")
+        return data
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class TorchViewTensor(LazyTensor):
+    """A tensor that is not one plain file range: a strided view (a transposed or expanded
+    tensor saved as it is), a storage in a compressed zip member, big-endian bytes, or a view
+    with PyTorch's conjugate / negative bit. ``read`` reads the storage bytes the view covers
+    and lays them out in C order."""
+
+    spec: TensorSpec
+    source: _FileSource | _MemberSource
+    offset: int  # in elements
+    strides: tuple[int, ...]  # in elements
+    byteswap: bool = False
+    conj: bool = False
+    neg: bool = False
+
+    def read(self) -> np.ndarray:
+        dtype, shape = self.spec.dtype, self.spec.shape
+        if self.spec.numel == 0:
+            return np.empty(shape, dtype.numpy)
+        itemsize = dtype.itemsize
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, self.strides))
+        flat = np.frombuffer(self.source.read(self.offset * itemsize, span * itemsize), dtype.numpy)
+        if self.byteswap and itemsize > 1:
+            flat = _swapped(flat)
+        view = np.lib.stride_tricks.as_strided(flat, shape, tuple(s * itemsize for s in self.strides),
+                                               writeable=False)
+        out = np.array(view, order="C")
+        if self.conj:
+            np.conjugate(out, out=out)
+        if self.neg:
+            np.negative(out, out=out)
+        return out
+
+
+def _swapped(flat: np.ndarray) -> np.ndarray:
+    # a complex number is two floats, each stored in the file's byte order
+    width = flat.dtype.itemsize // (2 if flat.dtype.kind == "c" else 1)
+    unsigned = np.dtype(f"<u{width}")
+    return flat.view(unsigned).byteswap().view(flat.dtype)
+
+
+# ------------------------------------------------------------------------------- the archive
+
+
+@dataclass(eq=False)
+class _Storage:
+    """One storage the pickle references: its bytes are the record ``key``."""
+
+    key: str
+    dtype: DType  # of the typed storage (U8 for an untyped one)
+    nbytes: int
+    source: _FileSource | _MemberSource | None = None
+    problem: str | None = None  # why its record cannot be read (reported for tensors that use it)
+
+    def __setstate__(self, state):
+        raise _Malformed("BUILD on a storage")
+
+
+@dataclass
+class _Archive:
+    """A file's unpickled object and the storages its tensors view."""
+
+    root: object
+    storages: dict[str, _Storage]
+    byteswap: bool  # the storages are big-endian
+
+
+def _read_zip(path: str, f: BinaryIO, size: int) -> _Archive:
+    where = printable(path)
+    try:
+        zf = zipfile.ZipFile(f)
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, NotImplementedError, struct.error) as e:
+        raise CheckpointError(f"{where}: a zip archive that cannot be read ({printable(str(e))[:200]}); the "
+                              "file is truncated or corrupt — re-download or re-save it") from e
+    with zf:
+        infos = zf.infolist()
+        members: dict[str, zipfile.ZipInfo] = {}
+        duplicated = set()
+        for info in infos:
+            if info.filename in members:
+                duplicated.add(info.filename)
+            members[info.filename] = info
+        prefix = infos[0].filename.split("/", 1)[0] if infos and "/" in infos[0].filename else None
+        pickle_name = f"{prefix}/data.pkl"
+        if prefix is None or pickle_name not in members:
+            raise CheckpointError(
+                f"{where}: a zip archive without a data.pkl record in its first folder, so not a torch.save "
+                "checkpoint (a TorchScript archive, an .npz or another zip?); re-save the state dict with torch.save"
+            )
+        for name in duplicated:
+            if name == pickle_name or name.startswith(f"{prefix}/data/") or name == f"{prefix}/byteorder":
+                raise CheckpointError(f"{where}: the archive holds two records {quote(name)}; it is corrupt")
+
+        def record(name: str, budget_key: str | None) -> bytes:
+            info = members[name]
+            if budget_key:
+                check_limit(budget_key, info.file_size, f"{where}: record {quote(name)}")
+            elif info.file_size > 16:
+                raise CheckpointError(f"{where}: record {quote(name)} holds {info.file_size} bytes, not a byte "
+                                      "order; the file is corrupt")
+            try:
+                with zf.open(info) as m:
+                    data = m.read(info.file_size + 1)
+            except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError, zipfile.BadZipFile,
+                    zlib.error) as e:
+                raise CheckpointError(f"{where}: record {quote(name)} cannot be read ({printable(str(e))[:200]}); "
+                                      "the archive is corrupt") from e
+            if len(data) != info.file_size:
+                raise CheckpointError(f"{where}: record {quote(name)} holds {len(data)} bytes, the archive "
+                                      f"says {info.file_size}; it is corrupt")
+            return data
+
+        byteswap = False
+        if f"{prefix}/byteorder" in members:
+            order = record(f"{prefix}/byteorder", None)
+            if order not in (b"little", b"big"):
+                raise CheckpointError(f"{where}: the byteorder record says {order[:20]!r}, not 'little' or "
+                                      "'big'; the file is corrupt")
+            byteswap = order == b"big"
+        data = record(pickle_name, "pickle-bytes")
+        pickle_where = f"{where} ({printable(pickle_name)})"
+        _scan(data, 0, pickle_where, complete=True)
+        loader = _Loader(io.BytesIO(data), pickle_where)
+        root = loader.run()
+        for storage in loader.storages.values():
+            _locate_member(path, f, size, members, f"{prefix}/data/{storage.key}", storage)
+    return _Archive(root, loader.storages, byteswap)
+
+
+def _locate_member(path: str, f: BinaryIO, size: int, members: dict, name: str, storage: _Storage) -> None:
+    """Where a storage record's bytes lie: a file range when it is stored uncompressed (as
+    torch.save stores them), else the member, decompressed when read."""
+    info = members.get(name)
+    if info is None:
+        storage.problem = f"its storage record {quote(name)} is missing from the archive"
+        return
+    if info.flag_bits & 0x1:
+        storage.problem = f"its storage record {quote(name)} is encrypted"
+        return
+    start = None
+    if info.compress_type == zipfile.ZIP_STORED:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        if len(local) == 30 and local[:4] == b"PK\x03\x04":
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            encoded = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+            if f.read(name_len) == encoded and info.compress_size == info.file_size:
+                start = info.header_offset + 30 + name_len + extra_len
+        if start is None:
+            storage.problem = f"its storage record {quote(name)} has a corrupt zip header"
+            return
+        if start + info.file_size > size:
+            storage.problem = (f"its storage record {quote(name)} ({info.file_size} bytes from offset {start}) "
+                               f"runs past the end of the file ({size} bytes); the file is truncated or corrupt")
+            return
+    if info.file_size != storage.nbytes:
+        storage.problem = (f"its storage record {quote(name)} holds {info.file_size} bytes, but the pickle "
+                           f"declares a storage of {storage.nbytes}; the file is corrupt")
+        return
+    if start is not None:
+        storage.source = _FileSource(path, start)
+    elif info.compress_type in (zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
+        check_limit("decompressed-bytes", info.file_size, f"{printable(path)}: record {quote(name)}")
+        storage.source = _MemberSource(path, name)
+    else:
+        storage.problem = f"its storage record {quote(name)} uses zip compression method {info.compress_type}"
+
+
+def _read_legacy(path: str, f: BinaryIO, size: int) -> _Archive:
+    """The legacy format: pickles of the magic number, the protocol version, system info, the
+    object and the storage keys, then each storage as an int64 element count and its bytes."""
+    where = printable(path)
+    budget = limit("pickle-bytes")
+    buffer = b""
+    bounds = []
+    pos = 0
+    # every pickle is scanned before any is unpickled; the first two are compared as bytes
+    for i in range(5):
+        while True:
+            try:
+                end = _scan(buffer, pos, where, complete=len(buffer) >= size)
+                break
+            except _NeedMore:
+                if len(buffer) >= budget:
+                    check_limit("pickle-bytes", len(buffer) + 1, f"{where}: the pickles")
+                f.seek(0)
+                buffer = f.read(min(size, budget, max(1 << 23, 4 * len(buffer))))
+        if i == 0:
+            if buffer[pos:end] not in _LEGACY_MAGIC_PICKLES:
+                raise CheckpointError(f"{where}: not a PyTorch checkpoint (a pickle, but not what torch.save writes: "
+                                      "no magic number); fusectl reads only state dicts saved with torch.save")
+        if i == 1 and buffer[pos:end] not in _LEGACY_PROTOCOL_PICKLES:
+            raise CheckpointError(f"{where}: a legacy torch.save file whose format is not version "
+                                  f"{_LEGACY_PROTOCOL}; re-save it with a current PyTorch")
+        bounds.append((pos, end))
+        pos = end
+    (info_start, info_end), (root_start, root_end), (keys_start, keys_end) = bounds[2:]
+    _Loader(io.BytesIO(buffer[info_start:info_end]), where, plain=True).run()  # system info: nothing needed
+    loader = _Loader(io.BytesIO(buffer[root_start:root_end]), where)
+    root = loader.run()
+    storages = loader.storages
+    keys = _Loader(io.BytesIO(buffer[keys_start:keys_end]), where, plain=True).run()
+    if type(keys) is not list or not all(type(k) is str for k in keys):
+        raise CheckpointError(f"{where}: the list of storage keys is not a list of strings; the file is corrupt")
+    if len(set(keys)) != len(keys) or set(keys) != set(storages):
+        raise CheckpointError(f"{where}: the list of storage keys does not match the storages the pickle "
+                              "references; the file is corrupt")
+    # legacy storages are always written little-endian, whatever the machine
+    for key in keys:
+        storage = storages[key]
+        f.seek(pos)
+        header = f.read(8)
+        if len(header) < 8:
+            _past_end(storages, keys, key, size)
+            break
+        (count,) = struct.unpack("<q", header)
+        if count < 0 or count * storage.dtype.itemsize != storage.nbytes:
+            raise CheckpointError(
+                f"{where}: storage {quote(key)} at offset {pos} holds {count} elements of "
+                f"{storage.dtype.itemsize} bytes, the pickle declares {storage.nbytes} bytes; the file is corrupt"
+            )
+        if pos + 8 + storage.nbytes > size:
+            _past_end(storages, keys, key, size)
+            break
+        storage.source = _FileSource(path, pos + 8)
+        pos += 8 + storage.nbytes
+    return _Archive(root, storages, False)
+
+
+def _past_end(storages: dict[str, _Storage], keys: list[str], first: str, size: int) -> None:
+    for key in keys[keys.index(first):]:
+        storages[key].problem = (f"its storage {quote(key)} lies past the end of the file ({size} bytes); "
+                                 "the file is truncated")
+
+
+# ------------------------------------------------------------------------------- the scan
+
+
+class _NeedMore(Exception):
+    """The scan ran off the end of the bytes read so far (legacy files are read in chunks)."""
+
+
+class _Malformed(Exception):
+    """Raised while unpickling; reported as a corrupt file."""
+
+
+# opcodes a state dict never needs that would build arbitrary objects, or read outside the pickle
+_REFUSED_OPCODES = {
+    ord("i"): "INST", ord("o"): "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX",
+    0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER",
+}
+# opcodes that push one scalar and take a fixed-size argument: byte → argument bytes
+_SCALAR_FIXED = {ord("N"): 0, 0x88: 0, 0x89: 0, ord("K"): 1, ord("M"): 2, ord("J"): 4, ord("G"): 8}
+# opcodes that push a string or bytes of counted length: byte → (length bytes, struct format, is text)
+_COUNTED = {
+    ord("X"): (4, "<I", True), 0x8C: (1, "<B", True), 0x8D: (8, "<Q", True),
+    ord("B"): (4, "<I", False), ord("C"): (1, "<B", False), 0x8E: (8, "<Q", False),
+    ord("T"): (4, "<i", False), ord("U"): (1, "<B", False), 0x96: (8, "<Q", False),
+}
+_LINE_SCALARS = {ord("I"), ord("L"), ord("F"), ord("S"), ord("V")}
+_LONG_TEXT = 1 << 10  # strings longer than this never name a global
+
+
+class _Box:
+    """A list, dict or set the pickle builds: the scan counts its items and its nesting."""
+
+    __slots__ = ("n", "d")
+
+    def __init__(self, n: int, d: int):
+        self.n, self.d = n, d
+
+
+class _Frozen:
+    """A tuple or frozenset the pickle builds (or what a call makes of one). Hashing one
+    recurses in C without a depth guard, so its nesting ``d`` is bounded; and it visits every
+    item of every inner tuple each time (tuples keep no hash), so its weight ``w`` (items
+    counted as often as they occur: a tuple may hold one inner tuple six times, at each of 60
+    levels) is what it costs as a dict key."""
+
+    __slots__ = ("d", "w")
+
+    def __init__(self, d: int, w: int):
+        self.d, self.w = d, w
+
+
+class _GlobalRef:
+    """A global the scan allowed; ``dict_like`` when calling it makes a dict."""
+
+    __slots__ = ("dict_like",)
+
+    def __init__(self, dict_like: bool):
+        self.dict_like = dict_like
+
+
+_NESTED = (_Box, _Frozen)
+# a number whose hash a file can choose (a big integer, a float) or the result of a call: as dict
+# keys, values with one hash make each insertion scan all the others (quadratic time)
+_COLLIDABLE = _GlobalRef(False)
+
+
+def _scan(data: bytes, pos: int, where: str, complete: bool) -> int:
+    """Check the pickle at ``data[pos:]`` without constructing it; returns where it ends.
+
+    A small symbolic run of the pickle machine: the stack holds what each opcode would push
+    (strings as strings, so that STACK_GLOBAL names are known even when fetched from the memo;
+    containers as their item count and nesting depth; everything else as None). Refuses
+    (CheckpointError) a global outside the allow-list, an opcode in _REFUSED_OPCODES, a
+    malformed pickle, and a pickle past a budget. Raises _NeedMore when the bytes end before
+    STOP and ``complete`` is false (more of the file may follow).
+    """
+    ops_budget = limit("pickle-opcodes")
+    items_budget = limit("pickle-items")
+    keys_budget = limit("pickle-hash-keys")
+    odd_keys = 0
+    depth_budget = limit("pickle-depth")
+    digits_budget = limit("integer-digits")
+    flat = [_Frozen(1, 1 + n) for n in range(4)]  # tuples of 0-3 items that hold no tuple: never changed
+    end = len(data)
+    stack: list = []
+    push = stack.append
+    marks: list[int] = []
+    memo: dict[int, object] = {}
+    fence = 0
+    ops = 0
+    start = pos
+
+    def truncated():
+        if not complete:
+            raise _NeedMore()
+        raise CheckpointError(f"{where}: the pickle ends at byte {end - start} before its STOP opcode; "
+                              "the file is truncated")
+
+    def malformed(what: str):
+        raise CheckpointError(f"{where}: corrupt pickle: {what} at byte {pos - start}; the file is corrupt")
+
+    def line() -> bytes:
+        nonlocal pos
+        stop = data.find(b"\n", pos)
+        if stop < 0:
+            truncated()
+        text = data[pos:stop]
+        pos = stop + 1
+        return text
+
+    def pop_mark() -> list:
+        nonlocal fence
+        if not marks:
+            malformed("an opcode that needs a MARK without one")
+        mark = marks.pop()
+        items = stack[mark:]
+        del stack[mark:]
+        fence = marks[-1] if marks else 0
+        if len(items) > items_budget:
+            check_limit("pickle-items", len(items), where)
+        return items
+
+    def nesting(items) -> int:
+        d = 0
+        for x in items:
+            if x.__class__ in _NESTED and x.d > d:
+                d = x.d
+        if d >= depth_budget:
+            check_limit("pickle-depth", d + 1, where)
+        return d + 1
+
+    def frozen(items) -> _Frozen:
+        w = 1
+        for x in items:
+            w += x.w if x.__class__ is _Frozen else 1
+        return _Frozen(nesting(items), w)
+
+    def keyed(keys) -> None:
+        # strings hash with a per-process secret, small integers to themselves: anything else may collide
+        nonlocal odd_keys
+        for k in keys:
+            if k is not None and k.__class__ is not str:
+                odd_keys += k.w if k.__class__ is _Frozen else 1
+        if odd_keys > keys_budget:
+            check_limit("pickle-hash-keys", odd_keys, where)
+
+    def grow(box, n: int, items) -> None:
+        if box.__class__ is not _Box:
+            return  # not a list, dict or set: the unpickler will refuse to add to it
+        box.n += n
+        if box.n > items_budget:
+            check_limit("pickle-items", box.n, where)
+        d = nesting(items)
+        if d > box.d:
+            box.d = d
+
+    def check_memo_index(index: int) -> None:
+        # the C unpickler sizes its memo by the largest index: a huge one would allocate gigabytes
+        if index > ops:
+            malformed(f"memo index {index} (only {ops} opcodes so far)")
+        if len(stack) <= fence:
+            malformed("PUT with an empty stack")
+
+    def allow(module: object, name: object) -> _GlobalRef:
+        if type(module) is not str or type(name) is not str:
+            malformed("STACK_GLOBAL without two strings")
+        full = f"{module}.{name}"
+        if full not in ALLOWED_GLOBALS:
+            raise CheckpointError(
+                f"{where}: the pickle calls {quote(full[:200])}, which fusectl refuses: a checkpoint may hold only "
+                "tensors and plain containers, and no code from a checkpoint ever runs; if you trust the file, "
+                "load it with torch and re-save its state dict (torch.save(model.state_dict(), ...))"
+            )
+        return _GlobalRef(full == "collections.OrderedDict")
+
+    while True:
+        if pos >= end:
+            truncated()
+        op = data[pos]
+        pos += 1
+        ops += 1
+        if not ops & 0xFFFF:
+            if ops > ops_budget:
+                check_limit("pickle-opcodes", ops, where)
+            if len(stack) > items_budget:
+                check_limit("pickle-items", len(stack), f"{where} (items waiting on the pickle stack)")
+        # the most frequent opcodes of a torch.save pickle first
+        if op == 0x71:  # BINPUT
+            if pos >= end:
+                truncated()
+            check_memo_index(data[pos])
+            memo[data[pos]] = stack[-1]
+            pos += 1
+        elif op == 0x68:  # BINGET
+            if pos >= end:
+                truncated()
+            value = memo.get(data[pos], memo)
+            if value is memo:
+                malformed(f"memo entry {data[pos]} read before it was written")
+            push(value)
+            pos += 1
+        elif op in _SCALAR_FIXED:
+            pos += _SCALAR_FIXED[op]
+            if pos > end:
+                truncated()
+            push(_COLLIDABLE if op == 0x47 else None)  # BINFLOAT; the others are small integers
+        elif op == 0x28:  # MARK
+            marks.append(len(stack))
+            fence = len(stack)
+        elif 0x85 <= op <= 0x87:  # TUPLE1-3
+            n = op - 0x84
+            if len(stack) - fence < n:
+                malformed("TUPLE with too few items")
+            items = stack[-n:]
+            del stack[-n:]
+            for x in items:
+                if x.__class__ in _NESTED:
+                    push(frozen(items))
+                    break
+            else:  # the common case (a shape, a stride): a flat tuple, shared
+                push(flat[n])
+        elif op in _COUNTED:
+            n, fmt, text = _COUNTED[op]
+            if pos + n > end:
+                truncated()
+            (length,) = struct.unpack_from(fmt, data, pos)
+            pos += n
+            if length < 0:
+                malformed("a negative length")
+            if pos + length > end:
+                if complete:
+                    malformed(f"a string of {length} bytes past the end of the pickle")
+                truncated()
+            value = None
+            if text and length <= _LONG_TEXT:
+                try:
+                    value = data[pos:pos + length].decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError:
+                    malformed("a string that is not UTF-8")
+            pos += length
+            push(value)
+        elif op == 0x74:  # TUPLE
+            push(frozen(pop_mark()))
+        elif op == 0x91:  # FROZENSET
+            items = pop_mark()
+            keyed(items)
+            push(frozen(items))
+        elif op == 0x52:  # REDUCE
+            if len(stack) - fence < 2:
+                malformed("REDUCE with too few items")
+            args = stack.pop()
+            func = stack.pop()
+            if func.__class__ is _GlobalRef and func.dict_like:
+                push(_Box(0, 1))
+            else:  # what an allowed call returns nests no deeper than its arguments
+                push(args if args.__class__ is _Frozen else _COLLIDABLE)
+        elif op == 0x51:  # BINPERSID
+            if len(stack) <= fence:
+                malformed("BINPERSID with an empty stack")
+            stack[-1] = None
+        elif op == 0x29:  # EMPTY_TUPLE
+            push(flat[0])
+        elif op == 0x72:  # LONG_BINPUT
+            if pos + 4 > end:
+                truncated()
+            index = int.from_bytes(data[pos:pos + 4], "little")
+            pos += 4
+            check_memo_index(index)
+            memo[index] = stack[-1]
+        elif op == 0x6A:  # LONG_BINGET
+            if pos + 4 > end:
+                truncated()
+            index = int.from_bytes(data[pos:pos + 4], "little")
+            pos += 4
+            if index not in memo:
+                malformed(f"memo entry {index} read before it was written")
+            push(memo[index])
+        elif op == 0x94:  # MEMOIZE
+            check_memo_index(len(memo))
+            memo[len(memo)] = stack[-1]
+        elif op == 0x70 or op == 0x67:  # PUT, GET (text)
+            text = line()
+            if not text.isdigit() or len(text) > digits_budget:
+                malformed("a memo index that is not a small number")
+            index = int(text)
+            if op == 0x70:
+                check_memo_index(index)
+                memo[index] = stack[-1]
+            elif index in memo:
+                push(memo[index])
+            else:
+                malformed(f"memo entry {index} read before it was written")
+        elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
+            push(_Box(0, 1))
+        elif op == 0x6C:  # LIST
+            items = pop_mark()
+            push(_Box(len(items), nesting(items)))
+        elif op == 0x64:  # DICT
+            items = pop_mark()
+            keyed(items[::2])
+            push(_Box(len(items) // 2, nesting(items)))
+        elif op == 0x65 or op == 0x75 or op == 0x90:  # APPENDS, SETITEMS, ADDITEMS
+            items = pop_mark()
+            if len(stack) <= fence:
+                malformed("items added to nothing")
+            if op != 0x65:
+                keyed(items[::2] if op == 0x75 else items)
+            grow(stack[-1], len(items) // 2 if op == 0x75 else len(items), items)
+        elif op == 0x61:  # APPEND
+            if len(stack) - fence < 2:
+                malformed("APPEND with too few items")
+            item = stack.pop()
+            grow(stack[-1], 1, (item,))
+        elif op == 0x73:  # SETITEM
+            if len(stack) - fence < 3:
+                malformed("SETITEM with too few items")
+            items = stack[-2:]
+            del stack[-2:]
+            keyed(items[:1])
+            grow(stack[-1], 1, items)
+        elif op == 0x8A or op == 0x8B:  # LONG1, LONG4
+            n = 1 if op == 0x8A else 4
+            if pos + n > end:
+                truncated()
+            length = int.from_bytes(data[pos:pos + n], "little", signed=op == 0x8B)
+            pos += n
+            if length < 0:
+                malformed("a negative length")
+            if pos + length > end:
+                truncated()
+            if length * 2.408 > digits_budget:  # 256**length < 10**(2.409 * length)
+                value = int.from_bytes(data[pos:pos + length], "little", signed=True) if length <= 64 else None
+                if value is None or len(str(abs(value))) > digits_budget:
+                    check_limit("integer-digits", math.ceil(length * 2.408), f"{where}: an integer of {length} bytes")
+            pos += length
+            push(None if length < 8 else _COLLIDABLE)
+        elif op in _LINE_SCALARS:
+            text = line()
+            digits = len(text.strip(b"-L"))
+            if op in (0x49, 0x4C) and digits > digits_budget:  # INT, LONG
+                check_limit("integer-digits", digits, f"{where}: an integer")
+            push(None if op in (0x53, 0x56) or op != 0x46 and digits < 18 else _COLLIDABLE)
+        elif op == 0x63:  # GLOBAL
+            module = line().decode("utf-8", "replace")
+            push(allow(module, line().decode("utf-8", "replace")))
+        elif op == 0x93:  # STACK_GLOBAL
+            if len(stack) - fence < 2:
+                malformed("STACK_GLOBAL with too few items")
+            name = stack.pop()
+            push(allow(stack.pop(), name))
+        elif op == 0x62:  # BUILD
+            if len(stack) - fence < 2:
+                malformed("BUILD with too few items")
+            stack.pop()
+        elif op == 0x50:  # PERSID
+            line()
+            push(None)
+        elif op == 0x30:  # POP
+            if len(stack) > fence:
+                stack.pop()
+            elif marks:
+                marks.pop()
+                fence = marks[-1] if marks else 0
+            else:
+                malformed("POP with an empty stack")
+        elif op == 0x31:  # POP_MARK
+            pop_mark()
+        elif op == 0x32:  # DUP
+            if len(stack) <= fence:
+                malformed("DUP with an empty stack")
+            push(stack[-1])
+        elif op == 0x80:  # PROTO
+            if pos >= end:
+                truncated()
+            if data[pos] > pickle.HIGHEST_PROTOCOL:
+                malformed(f"pickle protocol {data[pos]}")
+            pos += 1
+        elif op == 0x95:  # FRAME (a hint; the opcodes inside are scanned as any others)
+            if pos + 8 > end:
+                truncated()
+            (length,) = struct.unpack_from("<Q", data, pos)
+            pos += 8
+            if pos + length > end and complete:
+                malformed(f"a frame of {length} bytes past the end of the pickle")
+        elif op == 0x2E:  # STOP
+            if len(stack) != 1 or marks:
+                malformed("STOP with a stack that does not hold exactly one object")
+            if ops > ops_budget:
+                check_limit("pickle-opcodes", ops, where)
+            return pos
+        elif op in _REFUSED_OPCODES:
+            raise CheckpointError(
+                f"{where}: the pickle uses opcode {_REFUSED_OPCODES[op]} (at byte {pos - 1 - start}), which builds "
+                "arbitrary objects; a state dict never needs it, and fusectl runs no code from a checkpoint"
+            )
+        else:
+            malformed(f"unknown opcode 0x{op:02x}")
+
+
+# ------------------------------------------------------------------------------- the load
+
+
+class _View:
+    """A tensor as the pickle describes it (checked when it is named: see _tensor)."""
+
+    __slots__ = ("storage", "offset", "size", "stride", "dtype", "metadata")
+
+    def __init__(self, storage, offset, size, stride, dtype, metadata=None):
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+        self.dtype = dtype  # a dtype marker (_rebuild_tensor_v3), or None: the storage's
+        self.metadata = metadata
+
+    def __setstate__(self, state):
+        raise _Malformed("BUILD on a tensor")
+
+
+class _Inert:
+    """An allowed global that is never called: a storage class, a dtype, ``torch.Tensor``."""
+
+    __slots__ = ("name", "dtype")
+
+    def __init__(self, name: str, dtype: DType | None = None):
+        self.name, self.dtype = name, dtype
+
+    def __setstate__(self, state):
+        raise _Malformed(f"BUILD on {self.name}")
+
+
+class _Call:
+    """An allowed global that the pickle calls (REDUCE): fusectl's stand-in for it."""
+
+    __slots__ = ("name", "fn")
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def __call__(self, *args):
+        try:
+            return self.fn(*args)
+        except TypeError as e:  # wrong number of arguments
+            raise _Malformed(f"{self.name} called with {len(args)} arguments") from e
+
+    def __setstate__(self, state):
+        raise _Malformed(f"BUILD on {self.name}")
+
+
+class _OrderedDict(dict):
+    """collections.OrderedDict (a plain dict keeps order too)."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        # Module.state_dict() carries a per-module version table as an attribute (_metadata):
+        # nothing in it describes a tensor
+        if type(state) is not dict:
+            raise _Malformed("an OrderedDict with a state that is not a dict")
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride):
+    return _View(storage, storage_offset, size, stride, None)
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                       metadata=None):
+    return _View(storage, storage_offset, size, stride, None, metadata)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+    if not isinstance(dtype, _Inert) or dtype.name not in _DTYPE_GLOBALS:
+        raise _Malformed("_rebuild_tensor_v3 without a dtype")
+    return _View(storage, storage_offset, size, stride, dtype, metadata)
+
+
+def _rebuild_parameter(data, requires_grad, backward_hooks, state=None):
+    if not isinstance(data, _View):
+        raise _Malformed("a Parameter whose data is not a tensor")
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    if not isinstance(func, _Call) or func.fn not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_tensor):
+        raise _Malformed("_rebuild_from_type_v2 without a tensor rebuild function")
+    if not isinstance(new_type, _Inert) or new_type.name != "torch.Tensor":
+        raise _Malformed("a tensor subclass")
+    if type(args) is not tuple:
+        raise _Malformed("_rebuild_from_type_v2 without an argument tuple")
+    return func(*args)  # the state (the tensor's Python attributes) describes no data
+
+
+def _size(sizes):
+    if type(sizes) not in (tuple, list) or not all(type(n) is int for n in sizes):
+        raise _Malformed("torch.Size of something other than whole numbers")
+    return tuple(sizes)
+
+
+def _complex(real=0.0, imag=0.0):
+    if not all(type(x) in (int, float) for x in (real, imag)):
+        raise _Malformed("a complex number of something other than numbers")
+    return complex(real, imag)
+
+
+def _encode(text, encoding="utf-8"):
+    # protocol 2 pickles bytes as _codecs.encode(str, 'latin1'); no other codec is needed
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise _Malformed("_codecs.encode other than of a string to latin1")
+    return text.encode("latin1")
+
+
+_STORAGE_CLASSES = {
+    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
+    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
+    "ByteStorage": "U8", "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
+}
+_DTYPE_NAMES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64", "uint16": "U16",
+    "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
+}
+# dtypes PyTorch has and fusectl does not: a tensor of one is refused by name, not as a strange global
+_UNSUPPORTED_DTYPES = ("complex128", "complex32", "float4_e2m1fn_x2")
+_DTYPE_GLOBALS = {f"torch.{n}" for n in (*_DTYPE_NAMES, *_UNSUPPORTED_DTYPES)}
+
+
+def _globals() -> dict[str, object]:
+    table: dict[str, object] = {
+        "collections.OrderedDict": _OrderedDict,  # _Loader.find_class gives a stand-in (_HASHING)
+        "torch.Tensor": _Inert("torch.Tensor"),
+        "torch.storage.UntypedStorage": _Inert("torch.storage.UntypedStorage", dtypes.BY_NAME["U8"]),
+        "torch.UntypedStorage": _Inert("torch.UntypedStorage", dtypes.BY_NAME["U8"]),
+        "torch.ComplexDoubleStorage": _Inert("torch.ComplexDoubleStorage"),
+    }
+    for name, fn in [("torch._utils._rebuild_tensor", _rebuild_tensor),
+                     ("torch._utils._rebuild_tensor_v2", _rebuild_tensor_v2),
+                     ("torch._utils._rebuild_tensor_v3", _rebuild_tensor_v3),
+                     ("torch._utils._rebuild_parameter", _rebuild_parameter),
+                     ("torch._utils._rebuild_parameter_with_state", _rebuild_parameter),
+                     ("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2),
+                     ("torch.Size", _size), ("_codecs.encode", _encode)]:
+        table[name] = _Call(name, fn)
+    # protocol 2 spells builtins the Python 2 way (pickle's fix_imports)
+    for module in ("builtins", "__builtin__"):
+        table[f"{module}.complex"] = _Call(f"{module}.complex", _complex)
+        table[f"{module}.set"] = table[f"{module}.frozenset"] = None  # _Loader.find_class gives a stand-in
+    for cls, dtype_name in _STORAGE_CLASSES.items():
+        table[f"torch.{cls}"] = _Inert(f"torch.{cls}", dtypes.BY_NAME[dtype_name])
+    for name in _DTYPE_GLOBALS:
+        table[name] = _Inert(name, dtypes.BY_NAME.get(_DTYPE_NAMES.get(name[len("torch."):], "")))
+    return table
+
+
+_GLOBALS = _globals()
+ALLOWED_GLOBALS = frozenset(_GLOBALS)
+# allowed globals that build sets and dicts: bound to the loader, which counts what they hash
+_HASHING = {"builtins.set": "_set", "__builtin__.set": "_set", "builtins.frozenset": "_frozenset",
+            "__builtin__.frozenset": "_frozenset", "collections.OrderedDict": "_ordered_dict"}
+
+# what the C unpickler may raise on a malformed (already scanned) pickle
+_LOAD_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
+                OverflowError, MemoryError, RecursionError, UnicodeError, struct.error, _Malformed)
+
+
+class _Loader(pickle.Unpickler):
+    """Unpickles a scanned pickle with fusectl's stand-ins for the allowed globals."""
+
+    def __init__(self, file: BinaryIO, where: str, plain: bool = False):
+        super().__init__(file, encoding="utf-8")
+        self.where = where
+        self.key_budget = limit("name-bytes")
+        self.keys_budget = limit("pickle-hash-keys")
+        self.odd_keys = 0
+        self.plain = plain  # the small pickles of a legacy file's head: no global, no storage
+        self.storages: dict[str, _Storage] = {}
+
+    def run(self):
+        try:
+            with collector_paused():
+                return self.load()
+        except _LOAD_ERRORS as e:
+            raise CheckpointError(f"{self.where}: corrupt pickle ({_reason(e)}); the file is corrupt") from e
+
+    def find_class(self, module: str, name: str):
+        full = f"{module}.{name}"
+        if self.plain or full not in _GLOBALS:  # the scan refused it already: a second lock
+            raise CheckpointError(f"{self.where}: the pickle calls {quote(full[:200])}, which fusectl refuses")
+        if full in _HASHING:  # these hash what they are given: counted against pickle-hash-keys
+            return _Call(full, getattr(self, _HASHING[full]))
+        return _GLOBALS[full]
+
+    def _count_keys(self, keys) -> None:
+        weights: dict[int, int] = {}
+        for k in keys:
+            if not (type(k) in (str, bytes, bool, type(None)) or type(k) is int and -(2**61) < k < 2**61
+                    or type(k) in (_View, _Storage, _Inert, _Call)):  # these hash by identity
+                self.odd_keys += _weight(k, weights)
+        if self.odd_keys > self.keys_budget:
+            check_limit("pickle-hash-keys", self.odd_keys, self.where)
+
+    def _set(self, items=()):
+        if type(items) not in (list, tuple, set, frozenset):
+            raise _Malformed("a set of something other than a list")
+        self._count_keys(items)
+        return set(items)
+
+    def _frozenset(self, items=()):
+        return frozenset(self._set(items))
+
+    def _ordered_dict(self, items=()):
+        if type(items) in (list, tuple):
+            if not all(type(p) in (tuple, list) and len(p) == 2 for p in items):
+                raise _Malformed("an OrderedDict of something other than pairs")
+            self._count_keys(p[0] for p in items)
+        elif not isinstance(items, dict):
+            raise _Malformed("an OrderedDict of something other than pairs")
+        return _OrderedDict(items)
+
+    def persistent_load(self, pid):
+        if self.plain or type(pid) is not tuple or len(pid) not in (5, 6) or pid[0] != "storage":
+            raise _Malformed("a persistent id that is not a storage")
+        storage_type, key, location, numel = pid[1:5]
+        if len(pid) == 6 and pid[5] is not None:
+            raise _Malformed("a storage view (written by PyTorch before 1.0; re-save the file)")
+        if not isinstance(storage_type, _Inert) or not storage_type.name.endswith("Storage"):
+            raise _Malformed("a storage whose type is not a storage class")
+        if type(key) is not str or type(numel) is not int or numel < 0 or type(location) is not str:
+            raise _Malformed("a storage reference that is not (type, key, location, size)")
+        if storage_type.dtype is None:
+            raise CheckpointError(f"{self.where}: storage {quote(key[:200])} is a {storage_type.name}, a dtype "
+                                  f"fusectl does not read (it reads {', '.join(dtypes.ARRAY_DTYPES)})")
+        nbytes = numel * storage_type.dtype.itemsize
+        storage = self.storages.get(key)
+        if storage is None:
+            if len(key) > self.key_budget:
+                check_limit("name-bytes", len(key), f"{self.where}: a storage key")
+            storage = self.storages[key] = _Storage(key, storage_type.dtype, nbytes)
+        elif storage.dtype != storage_type.dtype or storage.nbytes != nbytes:
+            raise CheckpointError(f"{self.where}: storage {quote(key[:200])} is referenced as two different "
+                                  "storages (types or sizes); torch.save never writes that — the file is corrupt")
+        return storage
+
+
+def _weight(value: object, weights: dict[int, int]) -> int:
+    """What hashing ``value`` costs: its items, counted as often as they occur (the scan bounds
+    the nesting, so the recursion is shallow; ``weights`` keeps it linear in distinct tuples)."""
+    if type(value) not in (tuple, frozenset):
+        return 1
+    known = weights.get(id(value))
+    if known is None:
+        known = weights[id(value)] = 1 + sum(_weight(v, weights) for v in value)
+    return known
+
+
+def _reason(e: BaseException) -> str:
+    return printable(f"{type(e).__name__}: {e}"[:200])
+
+
+def _short(value: object, nested: bool = False) -> str:
+    """A value read from a pickle, shown in a message (briefly: it may be huge, and a tuple may
+    hold itself many times over, so only one level is shown)."""
+    if type(value) in (tuple, list):
+        if nested:
+            return "(...)" if type(value) is tuple else "[...]"
+        shown = ", ".join(_short(v, True) for v in value[:6]) + (", ..." if len(value) > 6 else "")
+        return f"({shown}{',' if len(value) == 1 else ''})" if type(value) is tuple else f"[{shown}]"
+    if type(value) in (int, str, float, bool, type(None)):
+        text = repr(value) if type(value) is not int or value.bit_length() < 100 else f"<{value.bit_length()}-bit int>"
+        return printable(text if len(text) <= 40 else text[:40] + "...")
+    return type(value).__name__
+
+
+# ------------------------------------------------------------------------------- the state dict
+
+
+def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
+    where = printable(path)
+    found = _find_dicts(archive.root, where)
+    candidates = found.candidates
+    if key is None:
+        if found.weighty.get(""):
+            pool = [""]  # a state dict at the top level; dicts of tensors inside it are ignored entries
+        else:
+            pool = [k for k in candidates if found.weighty[k]] or list(candidates)
+        if not pool:
+            skipped = "; optimizer state does not count" if found.optimizer_tensors else ""
+            raise CheckpointError(f"{where}: holds no dict of tensors (the file holds {_describe(archive.root)}"
+                                  f"{skipped}); fusectl reads a state dict, as torch.save(model.state_dict(), ...) "
+                                  "writes")
+        if len(pool) > 1:
+            raise CheckpointError(f"{where}: holds several dicts of tensors: {_listed(pool, candidates)}; pass --key "
+                                  "with the dotted key of the state dict to read")
+        key = pool[0]
+    elif key not in found.dicts or not any(isinstance(v, _View) for v in found.dicts[key].values()):
+        what = "is not a dict of tensors" if key in found.dicts else "does not exist"
+        raise CheckpointError(f"{where}: key {quote(key[:200])} {what}; the dicts of tensors are: "
+                              f"{_listed(list(candidates), candidates) or 'none'}")
+    tensors, aliases, ignored = _state_dict(path, archive, found.dicts[key])
+    return TorchContents(tensors, aliases, key or None, ignored, candidates)
+
+
+def _listed(keys: list[str], candidates: dict[str, int]) -> str:
+    shown = ", ".join(f"{_key_text(k)} ({candidates[k]} tensors)" for k in keys[:_SHOWN_CANDIDATES])
+    return shown + (f" and {len(keys) - _SHOWN_CANDIDATES} more" if len(keys) > _SHOWN_CANDIDATES else "")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, _View):
+        return "a single tensor, with no name"
+    return {list: "a list", tuple: "a tuple"}.get(type(value)) or ("a dict" if isinstance(value, dict) else
+                                                                 f"a {type(value).__name__}")
+
+
+def _key_text(key: str) -> str:
+    return quote(key) if key else "the top level"
+
+
+@dataclass
+class _Dicts:
+    dicts: dict[str, dict]  # every dict reachable through dicts, by dotted key ("" for the top level)
+    candidates: dict[str, int]  # those that hold tensors (optimizer state left out) → tensor count
+    weighty: dict[str, bool]  # candidate → whether it holds a tensor of one dimension or more
+    optimizer_tensors: bool  # whether optimizer state (left out) holds tensors
+
+
+def _find_dicts(root: object, where: str) -> _Dicts:
+    """The dicts of ``root``, walked depth first in the file's order, each once (a dict reached
+    again, or a cycle, is not walked again)."""
+    found = _Dicts({}, {}, {}, False)
+    if not isinstance(root, dict):
+        return found
+    depth_budget = limit("pickle-depth")
+    seen: set[int] = set()
+    todo = [("", root, 0, False)]
+    while todo:
+        dotted, d, depth, optimizer = todo.pop()
+        found.dicts.setdefault(dotted, d)
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
+        if depth > depth_budget:
+            check_limit("pickle-depth", depth, f"{where}: dicts nested under {quote(dotted[:200])}")
+        optimizer = optimizer or ("state" in d and "param_groups" in d)
+        views = [v for v in d.values() if isinstance(v, _View)]
+        if views and optimizer:
+            found.optimizer_tensors = True
+        elif views:
+            found.candidates[dotted] = len(views)
+            found.weighty[dotted] = any(type(v.size) in (tuple, list) and len(v.size) > 0 for v in views)
+        children = []
+        for k, v in d.items():
+            if isinstance(v, dict) and type(k) in (str, int):
+                segment = str(k)
+                child = f"{dotted}.{segment}" if dotted else segment
+                children.append((child, v, depth + 1, optimizer or "optim" in segment.lower()))
+        todo.extend(reversed(children))
+    return found
+
+
+def _state_dict(path: str, archive: _Archive, d: dict) -> tuple[dict[str, LazyTensor], dict[str, str], list[str]]:
+    where = printable(path)
+    tensors: dict[str, LazyTensor] = {}
+    aliases: dict[str, str] = {}
+    ignored: list[str] = []
+    kept: dict[tuple, str] = {}
+    specs: dict[tuple, TensorSpec] = {}
+    name_bytes = limit("name-bytes")
+    dims = limit("dims")
+    count = sum(isinstance(v, _View) for v in d.values())
+    check_limit("tensors", count, where)
+    for k, value in d.items():
+        if type(k) is str:
+            name = k
+        elif type(k) is int:
+            name = str(k)
+        else:
+            ignored.append(_short(k))
+            continue
+        if not isinstance(value, _View):
+            ignored.append(name)
+            continue
+        if len(name) > name_bytes // 4:
+            check_limit("name-bytes", len(name.encode("utf-8", "surrogatepass")), f"{where}: tensor {quote(name[:80])}...")
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise CheckpointError(f"{where}: tensor name {quote(name[:80])} holds a lone UTF-16 surrogate, which "
+                                  "is not text; the file is corrupt") from None
+        if name in tensors or name in aliases:
+            raise CheckpointError(f"{where}: two entries are named {quote(name)} (a number and a string?)")
+        tensor, identity = _tensor(path, name, value, archive, specs, dims)
+        first = kept.setdefault(identity, name)
+        if first != name:
+            aliases[name] = first
+        else:
+            tensors[name] = tensor
+    return tensors, aliases, ignored
+
+
+def _tensor(path: str, name: str, view: _View, archive: _Archive, specs: dict, dims: int) -> tuple[LazyTensor, tuple]:
+    """The lazy tensor of one named view, checked against its storage (a large state dict has
+    10^5 of these: the common case is kept short)."""
+
+    def bad(message: str) -> CheckpointError:
+        return CheckpointError(f"{printable(path)}: tensor {quote(name)}: {message}")
+
+    storage = view.storage
+    if storage.__class__ is not _Storage:
+        raise bad("its storage is not a storage reference; the file is corrupt")
+    dtype = storage.dtype if view.dtype is None else view.dtype.dtype
+    if dtype is None:
+        raise bad(f"dtype {view.dtype.name} is not one fusectl reads (it reads {', '.join(dtypes.ARRAY_DTYPES)})")
+    offset, size, stride = view.offset, view.size, view.stride
+    if type(size) not in (tuple, list) or type(stride) not in (tuple, list) or len(size) != len(stride):
+        raise bad("its shape and strides are not two tuples of one length; the file is corrupt")
+    if len(size) > dims:
+        check_limit("dims", len(size), f"{printable(path)}: tensor {quote(name)}")
+    if not _whole((offset,)):
+        raise bad(f"storage offset {_short(offset)} is not a whole number; the file is corrupt")
+    for values, what in ((size, "shape"), (stride, "strides")):
+        if not _whole(values):
+            raise bad(f"{what} {_short(values)} is not a tuple of whole numbers; the file is corrupt")
+    size, stride = tuple(size), tuple(stride)
+    conj = neg = False
+    if view.metadata is not None:
+        metadata = view.metadata
+        if type(metadata) is not dict or not set(metadata) <= {"conj", "neg"} or \
+                not all(type(v) is bool for v in metadata.values()):
+            raise bad("tensor metadata other than PyTorch's conj/neg bits; the file is corrupt or newer than fusectl")
+        conj, neg = metadata.get("conj", False), metadata.get("neg", False)
+        if conj and dtype.numpy.kind != "c" or neg and dtype.numpy.kind in "bu":
+            raise bad(f"a {'conjugate' if conj else 'negative'} view of a {dtype} tensor, which PyTorch cannot "
+                      "make; the file is corrupt")
+    spec = specs.get((dtype, size))
+    if spec is None:
+        spec = specs[(dtype, size)] = TensorSpec(dtype, size)
+    identity = (id(storage), offset, size, stride, dtype.safetensors, conj, neg)
+    if not spec.numel:  # no elements, no bytes (PyTorch checks no bounds either)
+        return FileTensor(spec, ByteRange(path, 0, 0)), identity
+    span, step, contiguous = 1, 1, True
+    for n, s in zip(reversed(size), reversed(stride)):
+        span += (n - 1) * s
+        if n != 1 and s != step:
+            contiguous = False
+        step *= n
+    itemsize = dtype.itemsize
+    if (offset + span) * itemsize > storage.nbytes:
+        raise bad(f"{spec} at offset {offset} with strides {list(stride)} reaches byte {(offset + span) * itemsize} "
+                  f"of its storage {quote(storage.key)}, which holds {storage.nbytes}; the file is corrupt")
+    if spec.numel > span:  # an expanded view (a stride of 0) repeats elements: reading it makes more bytes
+        check_limit("expanded-bytes", spec.nbytes, f"{printable(path)}: tensor {quote(name)}")
+    source = storage.source
+    if source is None:
+        raise bad(storage.problem or "its storage has no data in the file")
+    if contiguous and source.__class__ is _FileSource and not (archive.byteswap and itemsize > 1) \
+            and not conj and not neg:
+        return FileTensor(spec, ByteRange(source.path, source.offset + offset * itemsize, spec.nbytes)), identity
+    return TorchViewTensor(spec, source, offset, stride, archive.byteswap, conj, neg), identity
+
+
+def _whole(values) -> bool:
+    for n in values:
+        if type(n) is not int or n < 0 or n > _DIM_MAX:
+            return False
+    return True
