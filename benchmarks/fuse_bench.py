@@ -699,24 +699,18 @@ def main(argv=None):
     total = time.perf_counter() - started
     print(f"\ntotal benchmark time: {total:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({
-                "fusectl": fusectl, "fusectl_version": fusectl_version, "python": sys.version,
-                "machine": platform.platform(), "cpus": os.cpu_count(),
-                "repeat": args.repeat, "shard_bytes": shard_bytes, "rules": RULES,
-                "wrapper_rss_floor_kb": floor_kb, "warmup_rounds": args.warmup,
-                "fusectl_startup": [dict(wall_s=w, peak_rss_kb=r, user_s=u, sys_s=y) for w, r, u, y in startup],
-                "sizes": {label: {"config": SIZES[label], "bytes": sizes_bytes[label],
-                                  "source": sources[label]} for label in labels},
-                "runs": runs, "total_s": total,
-            }, f, indent=2)
-            f.write("\n")
+        write_json(args.json, {
+            "fusectl": fusectl, "fusectl_version": fusectl_version, "python": sys.version,
+            "machine": platform.platform(), "cpus": os.cpu_count(),
+            "repeat": args.repeat, "shard_bytes": shard_bytes, "rules": RULES,
+            "wrapper_rss_floor_kb": floor_kb, "warmup_rounds": args.warmup,
+            "fusectl_startup": [dict(wall_s=w, peak_rss_kb=r, user_s=u, sys_s=y) for w, r, u, y in startup],
+            "sizes": {label: {"config": SIZES[label], "bytes": sizes_bytes[label],
+                              "source": sources[label]} for label in labels},
+            "runs": runs, "total_s": total,
+        })
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BenchError as e:
-        print(f"fuse_bench: FAILED: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(exit_status(main, "fuse_bench"))

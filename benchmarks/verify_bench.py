@@ -316,29 +316,19 @@ def main(argv=None):
     total = time.perf_counter() - started
     print(f"\ntotal benchmark time: {total:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({
-                "fusectl": fusectl, "fusectl_version": version, "python": sys.version,
-                "machine": platform.platform(), "cpus": os.cpu_count(), "repeat": args.repeat,
-                "warmup_rounds": args.warmup, "shard_bytes": shard_bytes, "wrapper_rss_floor_kb": floor_kb,
-                "split_transpose_rules": SPLIT_TRANSPOSE_RULES,
-                "fusectl_startup": [dict(wall_s=w, peak_rss_kb=r, user_s=u, sys_s=s) for w, r, u, s in startup],
-                "sizes": {label: {"config": SIZES[label], "bytes": sizes_bytes[label],
-                                  "source": paths[label]["src"], "fused": paths[label]["fused"]}
-                          for label in labels},
-                "runs": runs, "total_s": total,
-            }, f, indent=2)
-            f.write("\n")
+        fuse_bench.write_json(args.json, {
+            "fusectl": fusectl, "fusectl_version": version, "python": sys.version,
+            "machine": platform.platform(), "cpus": os.cpu_count(), "repeat": args.repeat,
+            "warmup_rounds": args.warmup, "shard_bytes": shard_bytes, "wrapper_rss_floor_kb": floor_kb,
+            "split_transpose_rules": SPLIT_TRANSPOSE_RULES,
+            "fusectl_startup": [dict(wall_s=w, peak_rss_kb=r, user_s=u, sys_s=s) for w, r, u, s in startup],
+            "sizes": {label: {"config": SIZES[label], "bytes": sizes_bytes[label],
+                              "source": paths[label]["src"], "fused": paths[label]["fused"]}
+                      for label in labels},
+            "runs": runs, "total_s": total,
+        })
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BenchError as e:
-        print(f"verify_bench: FAILED: {e}", file=sys.stderr)
-        sys.exit(1)
-    except subprocess.CalledProcessError as e:
-        print(f"verify_bench: FAILED: exit status {e.returncode}: {' '.join(map(str, e.cmd))}",
-              file=sys.stderr)
-        sys.exit(1)
+    sys.exit(fuse_bench.exit_status(main, "verify_bench"))
