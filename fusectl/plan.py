@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config_edit import ConfigEdit
 from .errors import PlanError
 from .ops import OPS, Op
 from .tensors import TensorSpec
@@ -42,10 +43,13 @@ class StepGroup:
     untied_stored: tuple[tuple[str, ...], ...] = ()
     retie: tuple[tuple[str, ...], ...] = ()  # groups an inverse ties again (exact steps only)
     retie_stored: tuple[tuple[str, ...], ...] = ()  # ... and which of their members stay stored
+    config: ConfigEdit | None = None  # a rules file's [config]: the group edits config.json
 
     @property
     def kind(self) -> str:
-        return self.steps[0].op.kind if self.steps else "none"
+        if not self.steps:
+            return "config" if self.config is not None else "none"
+        return self.steps[0].op.kind
 
     def describe(self) -> str:
         return f"rule {self.rule!r} ({self.source})"
@@ -78,8 +82,13 @@ class Plan:
             exact = all(s.op.exact for s in group.steps)
             groups.append(StepGroup(group.rule, group.source, tuple(steps),
                                     retie=group.untied if exact else (),
-                                    retie_stored=group.untied_stored if exact else ()))
+                                    retie_stored=group.untied_stored if exact else (),
+                                    config=group.config.inverse() if group.config else None))
         return Plan(tuple(groups))
+
+    def config_edits(self) -> list[ConfigEdit]:
+        """The [config] edits of the plan's groups, in order."""
+        return [g.config for g in self.groups if g.config is not None]
 
     def __add__(self, other: "Plan") -> "Plan":
         return Plan(self.groups + other.groups)

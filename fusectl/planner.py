@@ -8,28 +8,33 @@ group as it is bound (``executor.apply_group``), so the table the planner ends w
 from __future__ import annotations
 
 import difflib
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .errors import PlanError, RuleError, quote
 from .executor import apply_group
 from .limits import check_limit
 from .plan import Plan, Step, StepGroup
+from .quantization import QuantScheme, lift_scales, scheme_from
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable
 from .tensors import TensorSpec
 
 
-def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False) -> tuple[Plan, ParamTable]:
-    """Bind ``rulesets`` in order to a copy of ``table``: the plan and the table it makes."""
+def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False,
+              config: Mapping | None = None) -> tuple[Plan, ParamTable]:
+    """Bind ``rulesets`` in order to a copy of ``table``: the plan and the table it makes.
+    ``config`` (the checkpoint's config.json) gives the block size of quantized weights' scales,
+    unless a rules file's ``[quantization]`` does."""
     current = table.copy()
     groups: list[StepGroup] = []
+    scheme = scheme_from(config, [(r.block_size, r.source) for r in rulesets if r.block_size])
     for ruleset in rulesets:
-        if not ruleset.rules and not ruleset.ties:
-            raise PlanError(f"{ruleset.source}: has no [[rule]] and no [ties]; it would change nothing. "
-                            "Add rules, or leave it out")
+        if not ruleset.rules and not ruleset.ties and not ruleset.config and not ruleset.block_size:
+            raise PlanError(f"{ruleset.source}: has no [[rule]], [ties], [config] or [quantization]; it would "
+                            "change nothing. Add rules, or leave it out")
         applied = 0
         for rule in ruleset.rules:
-            steps = bind_rule(rule, current)
+            steps = bind_rule(rule, current, scheme)
             if steps:
                 groups.append(apply_group(current, StepGroup(rule.name, rule.source, tuple(steps)), untie))
                 applied += 1
@@ -38,16 +43,20 @@ def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = Fals
         if ruleset.rules and not applied and not all(r.op.guard for r in ruleset.rules):
             raise PlanError(f"{ruleset.source}: no rule matched any tensor of the checkpoint; "
                             "check that these rules fit this model")
+        if ruleset.config is not None:
+            groups.append(StepGroup("[config]", ruleset.source, (), config=ruleset.config))
     return Plan(tuple(groups)), current
 
 
-def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
-    """Concrete steps for one rule against the current table (headers only)."""
+def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme()) -> list[Step]:
+    """Concrete steps for one rule against the current table (headers only), followed by the
+    steps that move the scales of the quantized weights it consumes."""
     names = table.names()
     steps: list[Step] = []
     for inputs, binding in _bindings(rule, names, table):
         # specs, not just presence: an op may resolve a parameter from them (bn_fold's layer)
         op = rule.op.for_present([table.spec(n) if n is not None else None for n in inputs])
+        op = op.with_block_size(scheme.block)
         inputs = [n for n in inputs if n is not None]
         specs = tuple(table.spec(n) for n in inputs)
         for name, spec in zip(inputs, specs):
@@ -67,7 +76,7 @@ def bind_rule(rule: Rule, table: ParamTable) -> list[Step]:
             f"{rule.describe()} matches nothing: no tensor fits {_first(rule).text!r}"
             f"{_closest_hint(rule.inputs[0].text, names)}. Fix the pattern or set optional = true"
         )
-    return steps
+    return steps + lift_scales(steps, table, scheme, rule.describe())
 
 
 def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):

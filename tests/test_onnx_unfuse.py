@@ -99,6 +99,10 @@ CASES = [
     ("rope-to-meta", rule("rope_permute", 'input = "q"\noutput = "p"\nheads = 2\nto = "meta"'), {"q": (12, 3)}),
     ("rope-to-hf-bias", rule("rope_permute", 'input = "q"\noutput = "p"\nheads = 3\nto = "hf"'), {"q": (12,)}),
     ("rope-to-meta-bias", rule("rope_permute", 'input = "q"\noutput = "p"\nheads = 1\nto = "meta"'), {"q": (8,)}),
+    # per-tensor scales of fused parts: equal ones merge (a name for a shape: a copy of that tensor)
+    ("merge-equal", rule("merge_equal", 'inputs = ["a", "b", "c"]\noutput = "f"'), {"a": (1,), "b": "a", "c": "a"}),
+    ("merge-equal-per-channel", rule("merge_equal", 'inputs = ["a", "b"]\noutput = "f"'), {"a": (3, 1), "b": "a"}),
+    ("replicate", rule("replicate", 'input = "s"\noutputs = ["a", "b", "c"]'), {"s": (2, 1)}),
 ]
 
 
@@ -165,7 +169,8 @@ def assert_bitwise(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 def test_unfusing_the_fused_tensors_in_onnx_gives_back_the_inputs_bitwise(tmp_path, case, dtype, builder):
     _, rules_text, shapes = case
     rng = np.random.default_rng(sorted(c[0] for c in CASES).index(case[0]))
-    tensors = {name: random_array(rng, shape, dtype) for name, shape in shapes.items()}
+    tensors = {name: random_array(rng, shape, dtype) for name, shape in shapes.items() if not isinstance(shape, str)}
+    tensors.update({name: tensors[shape].copy() for name, shape in shapes.items() if isinstance(shape, str)})
     step = planned_step(tmp_path, rules_text, tensors)
     inputs = [tensors[n] for n in step.inputs]
     fused = [np.ascontiguousarray(a) for a in step.op.apply(inputs)]

@@ -22,8 +22,9 @@ from fusectl.dtypes import BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops import OPS, Op
 from fusectl.ops.guard import Refuse
+from fusectl.ops.dequantize import Dequantize
 from fusectl.ops.layout import (
-    Concat, Deinterleave, Drop, Interleave, Rename, Reorder, Reshape, RopePermute, Split, Stack,
+    Concat, Deinterleave, Drop, Interleave, MergeEqual, Replicate, Rename, Reorder, Reshape, RopePermute, Split, Stack,
     Transpose, Unstack,
 )
 from fusectl.ops.reparam import BnFold, SpectralNormFold, WeightNormFold, WeightNormUnfold
@@ -70,6 +71,9 @@ EXAMPLES: dict[str, tuple[Op, list[np.ndarray]]] = {
     "spectral_norm_fold": (SpectralNormFold(dim=0), _spectral_example()),
     "bn_fold": (BnFold(layer="conv"), _bn_example()),
     "refuse": (Refuse(message="not this one"), _data(17, (2,))),
+    "merge_equal": (MergeEqual(), _data(18, (2, 1)) * 3),
+    "replicate": (Replicate(parts=3), _data(19, (2, 1))),
+    "dequantize": (Dequantize(block=(2, 2)), _data(20, (4, 5), (2, 3))),
 }
 KINDS = sorted(OPS)
 F32 = BY_NAME["F32"]

@@ -11,7 +11,8 @@ import typing
 from dataclasses import dataclass, field
 
 from .. import __version__, dtypes
-from ..errors import CheckpointError, FusectlError, quote
+from ..config_edit import ConfigEdit
+from ..errors import CheckpointError, FusectlError, PlanError, quote
 from ..limits import check_limit, limit
 from .untrusted import MalformedJSON, load_json
 from ..ops import OPS, Op
@@ -130,7 +131,7 @@ def _plan(raw: object) -> Plan:
         what = f"rule group {g}"
         if not isinstance(group, dict):
             raise _Invalid(f"{what} must be an object, not {_short(group)}")
-        _only_keys(group, {"rule", "source", "op", "untied", "untied_stored", "steps"}, what)
+        _only_keys(group, {"rule", "source", "op", "untied", "untied_stored", "steps", "config"}, what)
         for key in ("rule", "source"):
             if not isinstance(group.get(key), str):
                 raise _Invalid(f"{what}: {key} must be a string, not {_short(group.get(key))}")
@@ -149,7 +150,13 @@ def _plan(raw: object) -> Plan:
                               or any(not set(s) <= set(u) for s, u in zip(untied_stored, untied))):
             raise _Invalid(f"{what}: untied_stored must name members of each untied group")
         steps = tuple(_step(step, f"{what}, step {k}") for k, step in enumerate(_list(group.get("steps"), f"{what}: steps")))
-        groups.append(StepGroup(group["rule"], group["source"], steps, untied, untied_stored))
+        config = None
+        if "config" in group:
+            try:
+                config = ConfigEdit.from_json(group["config"], f"{what}: config")
+            except PlanError as e:
+                raise _Invalid(str(e)) from None
+        groups.append(StepGroup(group["rule"], group["source"], steps, untied, untied_stored, config=config))
     return Plan(tuple(groups))
 
 
@@ -263,6 +270,7 @@ def plan_to_json(plan: Plan) -> list[dict]:
             "op": g.kind,
             "untied": [list(u) for u in g.untied],
             "untied_stored": [list(u) for u in g.untied_stored],
+            **({"config": g.config.to_json()} if g.config is not None else {}),
             "steps": [
                 {
                     "op": s.op.kind,

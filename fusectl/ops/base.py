@@ -63,6 +63,10 @@ class Op:
         """The op to run when some optional inputs are absent (they are left out of its inputs)."""
         return self
 
+    def with_block_size(self, block: tuple[int, int] | None) -> "Op":
+        """The op with the checkpoint's quantization block size filled in where it needs one."""
+        return self
+
     def input_roles(self) -> tuple[str, ...]:
         """Role names of the inputs this op takes (empty for ops with positional inputs)."""
         return self.named_inputs
@@ -130,6 +134,14 @@ class Op:
         """The op's ``axis`` as a non-negative axis of an ``ndim``-dimensional tensor (``infer``
         has checked it is in range)."""
         return self.axis % ndim
+
+    def lift_scales(self, lift) -> None:
+        """Say through ``lift`` (``fusectl.quantization.ScaleLift``, duck-typed) what this step does
+        to the scales of the quantized weights it consumes: ``rename()``, ``drop()``,
+        ``along(axis, make)`` for ops moving slabs along one axis, ``stack(axis)``,
+        ``unstack(axis)``, ``transpose(perm)``, or ``refuse(why)``. The default refuses: an op
+        that computes on values cannot keep a quantized weight's scales exact."""
+        lift.refuse(f"{self.kind} computes on the weight's values; dequantize first (-r fp8-dequant)")
 
     def fold_in_graph(self, rewriter, step, values) -> None:
         """Fold this step into an exported graph through ``rewriter`` (the export's pass, duck-typed),

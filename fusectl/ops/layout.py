@@ -8,7 +8,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from ..errors import PlanError, quote
+from ..errors import ComputeError, PlanError, quote
 from ..limits import check_limit
 from ..tensors import ByteRange, TensorSpec
 from .base import Op, RowMover, leading_ones, normalize_axis, same_dtype
@@ -71,6 +71,9 @@ class Rename(Op):
     def inverse(self, specs):
         return Rename()
 
+    def lift_scales(self, lift):
+        lift.rename()
+
     def byte_ranges(self, ranges, specs, index):
         return ranges[0]
 
@@ -87,6 +90,9 @@ class Drop(Op):
 
     def output_count(self, specs):
         return 0
+
+    def lift_scales(self, lift):
+        lift.drop()
 
     def apply(self, arrays):
         return []
@@ -147,6 +153,9 @@ class Concat(RowMover, Op):
         sizes = [s.shape[axis] for s in input_specs]
         return b.node("Split", [fused[0], b.ints(sizes)], len(input_specs), axis=axis)
 
+    def lift_scales(self, lift):
+        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Concat(axis=self.axis))
+
     def byte_ranges(self, ranges, specs, index):
         if not leading_ones(specs[0].shape, self.op_axis(len(specs[0].shape))):
             return None
@@ -197,6 +206,10 @@ class Split(RowMover, Op):
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         return [b.one("Concat", fused, axis=self.op_axis(len(input_specs[0].shape)))]
 
+    def lift_scales(self, lift):
+        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Split(
+            axis=self.axis, sizes=tuple(out_lengths), parts=self.parts))
+
     def byte_ranges(self, ranges, specs, index):
         spec = specs[0]
         axis = self.op_axis(len(spec.shape))
@@ -236,6 +249,10 @@ class Interleave(RowMover, Op):
         axis = self.op_axis(len(specs[0].shape))
         return Deinterleave(axis=self.axis, groups=self.groups,
                             sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
+
+    def lift_scales(self, lift):
+        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Interleave(
+            axis=self.axis, groups=self.groups))
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
@@ -282,6 +299,10 @@ class Deinterleave(RowMover, Op):
     def inverse(self, specs):
         return Interleave(axis=self.axis, groups=self.groups)
 
+    def lift_scales(self, lift):
+        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Deinterleave(
+            axis=self.axis, groups=self.groups, sizes=tuple(out_lengths), parts=self.parts))
+
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
         shape = list(input_specs[0].shape)
@@ -322,6 +343,9 @@ class Stack(Op):
     def rule_inverse_problem(self, over):
         return _explicit_list_problem(self, over)
 
+    def lift_scales(self, lift):
+        lift.stack(normalize_axis(self.axis, lift.ndim + 1, "the stacked weight"))
+
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(output_specs[0].shape))
         parts = b.node("Split", [fused[0], b.ints([1] * len(input_specs))], len(input_specs), axis=axis)
@@ -360,6 +384,9 @@ class Unstack(Op):
     def rule_inverse_problem(self, over):
         return _explicit_list_problem(self, over)
 
+    def lift_scales(self, lift):
+        lift.unstack(self.op_axis(lift.ndim))
+
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
         return [b.one("Concat", [b.one("Unsqueeze", [f, b.ints([axis])]) for f in fused], axis=axis)]
@@ -394,6 +421,9 @@ class Transpose(Op):
 
     def inverse(self, specs):
         return Transpose(perm=tuple(int(p) for p in np.argsort(self.perm)))
+
+    def lift_scales(self, lift):
+        lift.transpose(self.perm)
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         return [b.one("Transpose", [fused[0]], perm=[int(p) for p in np.argsort(self.perm)])]
@@ -430,6 +460,9 @@ class Reshape(Op):
                             "not in it); unfuse with the provenance instead of -r")
         return Reshape(shape=specs[0].shape)
 
+    def lift_scales(self, lift):
+        lift.reshape()
+
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         return [onnx_forms.reshape(b, fused[0], input_specs[0].shape)]
 
@@ -462,6 +495,9 @@ class Reorder(RowMover, Op):
     def inverse(self, specs):
         return Reorder(axis=self.axis, chunks=self.chunks,
                        order=tuple(int(k) for k in np.argsort(self.order)))
+
+    def lift_scales(self, lift):
+        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: self)
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
@@ -519,6 +555,9 @@ class RopePermute(Op):
     def inverse(self, specs):
         return RopePermute(heads=self.heads, to="meta" if self.to == "hf" else "hf")
 
+    def lift_scales(self, lift):
+        lift.along(0, lambda in_lengths, out_lengths: self)
+
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         shape = input_specs[0].shape
         rows, cols = shape[0], shape[1] if len(shape) == 2 else 1
@@ -529,7 +568,84 @@ class RopePermute(Op):
         return [onnx_forms.reshape(b, swapped, shape)]
 
 
+@dataclasses.dataclass(frozen=True)
+class MergeEqual(Op):
+    """One tensor from several that hold the same bytes: the per-tensor scales of fused parts,
+    which may become the fused weight's scale only when they are equal (else nothing exact
+    exists; fusectl never requantizes). The equality is checked when the step runs."""
+
+    kind: ClassVar[str] = "merge_equal"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
+    inputs_field: ClassVar[str] = "inputs"
+
+    def infer(self, specs, names):
+        same_dtype(specs, names)
+        for spec, name in zip(specs, names):
+            if spec.shape != specs[0].shape:
+                raise PlanError(f"{name!r} has shape {list(spec.shape)} but {names[0]!r} has "
+                                f"{list(specs[0].shape)}; merged tensors must have one shape")
+        return [specs[0]]
+
+    def apply(self, arrays):
+        first = arrays[0]
+        for k, other in enumerate(arrays[1:], 1):
+            if first.tobytes() != other.tobytes():
+                raise ComputeError(
+                    f"input {k + 1} holds {_few(other)} but input 1 holds {_few(first)}: one tensor can "
+                    "stand for both only when they are equal (fusectl does not requantize); "
+                    "dequantize first (-r fp8-dequant)")
+        return [first]
+
+    def inverse(self, specs):
+        return Replicate(parts=len(specs) if specs is not None else 0)
+
+    def rule_inverse_problem(self, over):
+        return ("a merge_equal cannot be undone from the rule alone (the number of copies is not "
+                "in it); unfuse with the provenance instead of -r")
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        return [b.one("Identity", [fused[0]]) for _ in input_specs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate(Op):
+    """Copies of one tensor under several names: a per-tensor scale given to every part of a
+    split weight. Inverse of ``merge_equal``."""
+
+    kind: ClassVar[str] = "replicate"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
+    outputs_field: ClassVar[str] = "outputs"
+    parts: int = 0
+
+    def output_count(self, specs):
+        return self.parts
+
+    def infer(self, specs, names):
+        check_limit("chunks", self.parts, f"replicate of {quote(names[0])}", PlanError)
+        return [specs[0]] * self.parts
+
+    def apply(self, arrays):
+        return [arrays[0]] * self.parts
+
+    def inverse(self, specs):
+        return MergeEqual()
+
+    def byte_ranges(self, ranges, specs, index):
+        return ranges[0]
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        return [b.one("Identity", [fused[0]])]
+
+
+def _few(array: np.ndarray) -> str:
+    flat = array.reshape(-1)
+    shown = ", ".join(str(v) for v in flat[:3].tolist())
+    return f"[{shown}{', …' if flat.size > 3 else ''}]"
+
+
 LAYOUT_OPS: tuple[type[Op], ...] = (
     Rename, Drop, Concat, Split, Interleave, Deinterleave, Stack, Unstack,
-    Transpose, Reshape, Reorder, RopePermute,
+    Transpose, Reshape, Reorder, RopePermute, MergeEqual, Replicate,
 )

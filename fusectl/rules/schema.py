@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tomllib
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..config_edit import ConfigEdit
 from ..errors import RuleError
 from ..ops import OPS, Op
 from .patterns import Pattern
 from .variables import checked_integer, evaluate, resolve_variables
 
-_TOP_KEYS = {"version", "description", "vars", "ties", "rule"}
+_TOP_KEYS = {"version", "description", "vars", "ties", "rule", "quantization", "config"}
 _RULE_KEYS = {"name", "op", "optional", "over"}
 # op fields derived from the rule's own shape, never written by a user
 _DERIVED = {"parts", "has_bias"}
@@ -43,6 +45,8 @@ class RuleSet:
     rules: tuple[Rule, ...]
     ties: tuple[tuple[str, ...], ...] = ()
     description: str = ""
+    block_size: tuple[int, int] | None = None  # [quantization] block_size
+    config: ConfigEdit | None = None  # [config]: set / remove keys of the output config.json
 
 
 def load_rules(
@@ -78,7 +82,43 @@ def load_rules(
     description = doc.get("description", "")
     if not isinstance(description, str):
         raise RuleError(f"{source}: description must be a string")
-    return RuleSet(source, rules, ties, description)
+    return RuleSet(source, rules, ties, description, _load_quantization(doc.get("quantization", {}), source),
+                   _load_config_edit(doc.get("config"), source))
+
+
+def _load_quantization(raw: object, source: str) -> tuple[int, int] | None:
+    where = f"{source} [quantization]"
+    if not isinstance(raw, dict):
+        raise RuleError(f"{where}: must be a table with block_size = [rows, columns]")
+    _no_unknown_keys(raw, {"block_size"}, where)
+    block = raw.get("block_size")
+    if block is None:
+        return None
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(type(v) is int and 0 < v < 2**31 for v in block)):
+        raise RuleError(f"{where}: block_size must be two positive integers [rows, columns], not {block!r}")
+    return (block[0], block[1])
+
+
+def _load_config_edit(raw: object, source: str) -> ConfigEdit | None:
+    where = f"{source} [config]"
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RuleError(f"{where}: must be a table with set and/or remove")
+    _no_unknown_keys(raw, {"set", "remove"}, where)
+    sets, removes = raw.get("set", {}), raw.get("remove", [])
+    if not isinstance(sets, dict):
+        raise RuleError(f"{where}: set must be a table of keys and values")
+    if not isinstance(removes, list) or not all(isinstance(p, str) and p and "" not in p.split(".") for p in removes):
+        raise RuleError(f"{where}: remove must be a list of keys (dotted for nested ones: \"a.b\")")
+    try:
+        encoded = tuple((key, json.dumps(value, allow_nan=False)) for key, value in sets.items())
+    except (TypeError, ValueError):
+        raise RuleError(f"{where}: set values must be JSON values (no dates, times or NaN)") from None
+    if not encoded and not removes:
+        raise RuleError(f"{where}: neither set nor remove: it would change nothing")
+    return ConfigEdit(encoded, tuple(removes))
 
 
 class _LazyVariables:

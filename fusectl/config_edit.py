@@ -1,0 +1,105 @@
+"""Edits of the output's ``config.json`` that a rules file's ``[config]`` asks for.
+
+``fp8-dequant`` removes ``quantization_config``: the weights it writes are plain bf16, and a
+loader that still saw the section would quantize them again. An edit records the text it
+replaced, so ``unfuse`` writes the original ``config.json`` back byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class ConfigEdit:
+    """Keys to set (values as JSON text) and dotted key paths to remove; ``before`` is the
+    config text the edit replaced (filled when a plan is bound to a checkpoint), and an inverse
+    edit is ``restore``: write that text back.
+
+    >>> edit = ConfigEdit(sets=(("torch_dtype", '"bfloat16"'),), removes=("quantization_config.fmt",))
+    >>> print(edit.apply('{"quantization_config": {"fmt": "e4m3", "quant_method": "fp8"}}', "config.json"))
+    {
+      "quantization_config": {
+        "quant_method": "fp8"
+      },
+      "torch_dtype": "bfloat16"
+    }
+    <BLANKLINE>
+    """
+
+    sets: tuple[tuple[str, str], ...] = ()
+    removes: tuple[str, ...] = ()
+    before: str | None = None
+    restore: str | None = None
+
+    def apply(self, text: str | None, where: str) -> str | None:
+        """The config text after this edit (None: no config.json, and nothing to write)."""
+        if self.restore is not None:
+            return self.restore
+        try:
+            config = json.loads(text) if text is not None else {}
+        except ValueError as e:
+            raise PlanError(f"{where}: not valid JSON ({e}); [config] edits need a readable config.json") from e
+        if not isinstance(config, dict):
+            raise PlanError(f"{where}: must be a JSON object for [config] edits")
+        for path in self.removes:
+            *parents, leaf = path.split(".")
+            node = config
+            for key in parents:
+                node = node.get(key) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(leaf, None)
+        for key, value in self.sets:
+            config[key] = json.loads(value)
+        return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+
+    def inverse(self) -> "ConfigEdit":
+        if self.before is None:
+            raise PlanError("a [config] edit cannot be undone from the rules file alone (the values it removed "
+                            "are not in it); unfuse with the provenance instead of -r")
+        return ConfigEdit(restore=self.before)
+
+    def describe(self) -> str:
+        if self.restore is not None:
+            return "config.json: restore the original"
+        parts = [f"set {k} = {v}" for k, v in self.sets] + [f"remove {p}" for p in self.removes]
+        return "config.json: " + ", ".join(parts)
+
+    def to_json(self) -> dict:
+        out: dict = {}
+        if self.sets:
+            out["set"] = {k: json.loads(v) for k, v in self.sets}
+        if self.removes:
+            out["remove"] = list(self.removes)
+        if self.before is not None:
+            out["before"] = self.before
+        if self.restore is not None:
+            out["restore"] = self.restore
+        return out
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> "ConfigEdit":
+        if not isinstance(raw, dict) or set(raw) - {"set", "remove", "before", "restore"}:
+            raise PlanError(f"{where}: a config edit is an object with set, remove, before or restore")
+        sets, removes = raw.get("set", {}), raw.get("remove", [])
+        before, restore = raw.get("before"), raw.get("restore")
+        if (not isinstance(sets, dict) or not isinstance(removes, list)
+                or not all(isinstance(p, str) and p for p in removes)
+                or not all(v is None or isinstance(v, str) for v in (before, restore))):
+            raise PlanError(f"{where}: a config edit's set is an object, remove a list of key paths, "
+                            "before and restore texts")
+        return cls(tuple((k, json.dumps(v)) for k, v in sets.items()), tuple(removes), before, restore)
+
+
+def resolve_edits(edits: list[ConfigEdit], text: str | None, where: str) -> tuple[list[ConfigEdit], str | None]:
+    """Each edit with the text it replaces filled in, and the text after them all."""
+    resolved = []
+    for edit in edits:
+        if edit.restore is None and edit.before is None and text is not None:
+            edit = ConfigEdit(edit.sets, edit.removes, text)
+        resolved.append(edit)
+        text = edit.apply(text, where)
+    return resolved, text

@@ -1,0 +1,378 @@
+"""Quantized weights: a weight's scales move with it through every layout rule, or the rule stops.
+
+A weight ``X.weight`` is quantized when the table holds one of its *scales*:
+``X.weight_scale_inv`` (block scales: DeepSeek-V3, Qwen3-FP8, transformers ``fp8``),
+``X.weight_scale`` (compressed-tensors / ModelOpt: per tensor, per channel or per block) or
+``X.input_scale`` (a static activation scale). A weight not named ``….weight`` (a stacked
+``experts.w1``) has ``experts.w1_scale_inv``, ``experts.w1_scale``, ``experts.w1_input_scale``.
+Rules are written for weights; :func:`lift_scales` derives the steps their scales take from
+each step's op (``Op.lift_scales``): the same op on the scale grid where whole blocks move to
+whole blocks, one scale for all where per-tensor scales are equal, refused otherwise.
+
+A consumed tensor with any other scale-like companion (``weight_zero_point``, GPTQ/AWQ
+``qzeros``/``scales``/``g_idx``, MXFP4 ``*_scales`` beside ``*_blocks``) stops the rule:
+fusectl does not know how those move, and a checkpoint whose scales no longer belong to their
+weights loads and computes garbage.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import PlanError, quote
+from .ops import Op
+from .ops.dequantize import Grid, scale_grid
+from .ops.layout import Drop, MergeEqual, Rename, Replicate, Stack, Transpose, Unstack
+from .plan import Step
+from .table import ParamTable
+from .tensors import TensorSpec
+
+# the scales fusectl moves: role → how the scale's name is made from the weight's
+ROLES = ("weight_scale_inv", "weight_scale", "input_scale")
+
+# leaves of tensors that are scales, zero points or packed blocks of a quantized weight
+_SCALE_LIKE = re.compile(r"(^|_)(scale|scales|scale_inv|zero_point|zeros|qzeros|qweight|g_idx|blocks)$")
+
+
+def scale_name(weight: str, role: str) -> str:
+    """The name of ``weight``'s scale in ``role``.
+
+    >>> scale_name("model.q_proj.weight", "input_scale")
+    'model.q_proj.input_scale'
+    >>> scale_name("experts.w1", "weight_scale_inv")
+    'experts.w1_scale_inv'
+    """
+    if role == "input_scale":
+        return weight[: -len("weight")] + "input_scale" if weight.endswith("weight") else weight + "_input_scale"
+    suffix = role[len("weight"):]
+    return weight + suffix
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What a checkpoint's quantization config says: the block size of block scales."""
+
+    block: tuple[int, int] | None = None
+    source: str = ""
+
+    def describe_block(self) -> str:
+        return f"{self.block[0]}x{self.block[1]}" if self.block else "unknown"
+
+
+def scheme_from(config: Mapping | None, rule_blocks: Sequence[tuple[tuple[int, int], str]] = ()) -> QuantScheme:
+    """The block size from a rules file's ``[quantization]`` (first given), else from
+    ``config.json``'s ``quantization_config`` (``weight_block_size``, or a compressed-tensors
+    group's ``block_structure``)."""
+    for block, source in rule_blocks:
+        return QuantScheme(block, f"{source} [quantization]")
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, Mapping):
+        return QuantScheme()
+    if "weight_block_size" in qc:
+        return QuantScheme(_block(qc["weight_block_size"], "quantization_config.weight_block_size"),
+                           "config.json quantization_config.weight_block_size")
+    groups = qc.get("config_groups")
+    if isinstance(groups, Mapping):
+        for name, group in groups.items():
+            weights = group.get("weights") if isinstance(group, Mapping) else None
+            if isinstance(weights, Mapping) and weights.get("block_structure") is not None:
+                where = f"quantization_config.config_groups.{name}.weights.block_structure"
+                return QuantScheme(_block(weights["block_structure"], where), f"config.json {where}")
+    return QuantScheme()
+
+
+def _block(value: object, where: str) -> tuple[int, int] | None:
+    if isinstance(value, str) and re.fullmatch(r"\d{1,9}x\d{1,9}", value):
+        value = [int(v) for v in value.split("x")]
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(type(v) is int and 0 < v < 2**31 for v in value)):
+        raise PlanError(f"config.json: {where} is {str(value)[:80]}; it must be two positive integers "
+                        "(rows, columns); fix the config or give [quantization] block_size in a rules file")
+    return (value[0], value[1])
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One scale of a quantized weight, and how its grid lines up with the weight."""
+
+    role: str
+    name: str
+    spec: TensorSpec
+    grid: Grid
+
+    @property
+    def kind(self) -> str:
+        """``per-tensor``, ``per-channel``, ``block RxC`` or the grid, for reports."""
+        steps = [g for g in self.grid if g is not None]
+        if not steps:
+            return "per-tensor"
+        if any(g > 1 for g in steps):
+            return "block " + "x".join(str(g) for g in self.grid[-2:] if g is not None)
+        if self.grid[-1] is None and len(steps) == len(self.grid) - 1:
+            return "per-channel"
+        return "grid " + str(["*" if g is None else g for g in self.grid])
+
+
+def scales_of(table: ParamTable, weight: str, scheme: QuantScheme) -> list[Scale]:
+    """The scales ``table`` holds for ``weight``; a PlanError when one fits no grid of it."""
+    out = []
+    spec = table.spec(weight)
+    for role in ROLES:
+        name = scale_name(weight, role)
+        if name == weight or name not in table:
+            continue
+        scale = table.spec(name)
+        grid = scale_grid(spec.shape, scale.shape, scheme.block)
+        if grid is None:
+            hint = (f" with blocks of {scheme.describe_block()} ({scheme.source})" if scheme.block else
+                    "; if it is a block scale, the block size is unknown: set quantization_config."
+                    "weight_block_size in config.json or [quantization] block_size = [rows, columns] in a rules file")
+            raise PlanError(f"{name!r} has shape {list(scale.shape)}, which is neither a per-tensor, per-channel "
+                            f"nor a block scale of {weight!r} {list(spec.shape)}{hint}")
+        out.append(Scale(role, name, scale, grid))
+    return out
+
+
+def quantized_weights(table: ParamTable, scheme: QuantScheme) -> dict[str, list[Scale]]:
+    """Every weight that has scales, with them (for ``inspect``)."""
+    return {name: found for name in table.names()
+            if any(scale_name(name, role) in table for role in ROLES)
+            for found in [scales_of(table, name, scheme)] if found}
+
+
+class _Modules:
+    """The table's names grouped by module (everything before the last dot)."""
+
+    def __init__(self, names: Sequence[str]):
+        self.leaves: dict[str, list[str]] = {}
+        for name in names:
+            module, _, leaf = name.rpartition(".")
+            self.leaves.setdefault(module, []).append(leaf)
+
+    def unknown_scales(self, name: str, known: set[str]) -> list[str]:
+        """Scale-like companions of ``name`` that are not in ``known``."""
+        module, _, leaf = name.rpartition(".")
+        stem = re.sub(r"(^|_)(weight|blocks|qweight)$", "", leaf)
+        out = []
+        for other in self.leaves.get(module, ()):
+            full = f"{module}.{other}" if module else other
+            if full == name or full in known or not _SCALE_LIKE.search(other):
+                continue
+            if stem and not other.startswith(stem + "_"):
+                continue
+            out.append(full)
+        return out
+
+
+def lift_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, describe: str) -> list[Step]:
+    """The steps the scales of the quantized weights ``steps`` consume take (one rule's steps,
+    bound to ``table``); a PlanError naming the weight, the scale and why when they cannot
+    follow exactly, or when a consumed tensor has a scale-like companion fusectl does not know."""
+    consumed = {n for step in steps for n in step.inputs}
+    modules: _Modules | None = None
+    lifted: list[Step] = []
+    for step in steps:
+        scales = {name: scales_of(table, name, scheme) for name in step.inputs}
+        known = {s.name for found in scales.values() for s in found} | consumed
+        if modules is None and table.entries:
+            modules = _Modules(table.names())
+        for name in step.inputs:
+            unknown = modules.unknown_scales(name, known) if modules else []
+            if unknown:
+                raise PlanError(
+                    f"{describe}: {name!r} has {quote(unknown[0])} beside it, a quantization tensor "
+                    f"fusectl does not know how to move with it (it moves weight_scale_inv, weight_scale "
+                    f"and input_scale); the rule would leave it behind. Dequantize the model first, "
+                    f"or leave this tensor out of the rule")
+        for role in ROLES:
+            present = [next((s for s in scales[n] if s.role == role), None) for n in step.inputs]
+            if not any(present):
+                continue
+            if any(p is not None and p.name in consumed for p in present):
+                continue  # the rule moves this scale itself (dequantize's scale, an explicit rule)
+            lift = ScaleLift(step, role, present, scheme, describe)
+            step.op.lift_scales(lift)
+            lifted.extend(lift.steps)
+    return lifted
+
+
+class ScaleLift:
+    """What one step does to one role of scales (``weight_scale_inv`` of q, k and v); the op
+    says which of the methods below applies (``Op.lift_scales``)."""
+
+    def __init__(self, step: Step, role: str, scales: Sequence[Scale | None], scheme: QuantScheme, describe: str):
+        self.step, self.role, self.scheme, self.describe = step, role, scheme, describe
+        self.ndim = len(step.input_specs[0].shape)
+        self.steps: list[Step] = []
+        missing = [n for n, s in zip(step.inputs, scales) if s is None]
+        first = next(s for s in scales if s is not None)
+        if missing:
+            raise PlanError(f"{describe}: {first.name!r} scales {step.inputs[scales.index(first)]!r}, but "
+                            f"{missing[0]!r} has no {scale_name(missing[0], role)!r}; parts of one step must be "
+                            "quantized alike. Dequantize first (-r fp8-dequant)")
+        for s in scales:
+            if s.grid != first.grid or s.spec.dtype != first.spec.dtype:
+                raise PlanError(f"{describe}: {s.name!r} ({s.kind}, {s.spec}) and {first.name!r} ({first.kind}, "
+                                f"{first.spec}) are scales of different kinds; parts of one step must be "
+                                "quantized alike. Dequantize first (-r fp8-dequant)")
+        self.scales: list[Scale] = list(scales)
+        self.grid = first.grid
+        self.outputs = [scale_name(o, role) for o in step.outputs]
+
+    # --- what an op may say --------------------------------------------------------------
+
+    def refuse(self, why: str) -> None:
+        s = self.scales[0]
+        raise PlanError(f"{self.describe}: {self.step.inputs[0]!r} is quantized ({s.name!r}, {s.kind}); "
+                        f"its {self.step.op.kind} step cannot carry the scale exactly: {why}")
+
+    def rename(self) -> None:
+        for scale, out in zip(self.scales, self.outputs):
+            if scale.name != out:
+                self._add(Rename(), [scale], [out])
+
+    def drop(self) -> None:
+        for scale in self.scales:
+            self._add(Drop(), [scale], [])
+
+    def along(self, axis: int, make: Callable[[list[int], list[int]], Op]) -> None:
+        """The step moves slabs of its weights along ``axis`` (concat, split, interleave,
+        reorder, rope_permute); ``make(in_lengths, out_lengths)`` is the same op for the scales,
+        given their lengths along that axis."""
+        step = self.step
+        g = self.grid[axis]
+        n_in, n_out = len(step.inputs), len(step.outputs)
+        if g is None:  # one scale for the whole axis: equal scales merge, a split copies it
+            if n_in > 1 and n_out == 1:
+                self._add(MergeEqual(), self.scales, self.outputs)
+            elif n_in == 1 and n_out > 1:
+                self._add(Replicate(parts=n_out), self.scales, self.outputs)
+            elif n_in == n_out == 1:
+                self.rename()
+            else:
+                self.refuse(f"it maps {n_in} tensors to {n_out}")
+            return
+        in_lengths = [s.shape[axis] for s in step.input_specs]
+        block_map = self._block_map(axis, g, in_lengths)
+        scale_in = [s.spec.shape[axis] for s in self.scales]
+        scale_out = [-(-o.shape[axis] // g) for o in step.output_specs]
+        if n_in == n_out == 1 and block_map[0].tolist() == list(range(scale_in[0])):
+            self.rename()  # rows move only inside their blocks (rope_permute of 128-row heads)
+            return
+        op = make(scale_in, scale_out)
+        specs = [s.spec for s in self.scales]
+        try:
+            out_specs = op.infer(specs, [s.name for s in self.scales])
+            moved = op.apply([_ids(self.ndim, axis, n, start)
+                              for n, start in zip(scale_in, np.cumsum([0, *scale_in]))])
+        except (PlanError, ValueError):  # the op does not fit the scale's lengths
+            moved = None
+        if moved is None or any(m.reshape(-1).tolist() != b.tolist() for m, b in zip(moved, block_map)) \
+                or [o.shape[axis] for o in out_specs] != scale_out:
+            self.refuse(f"its blocks of {g} along axis {axis} do not move as whole blocks; "
+                        "dequantize first (-r fp8-dequant)")
+        self._add(op, self.scales, self.outputs, out_specs)
+
+    def stack(self, axis: int) -> None:
+        if axis != 0:
+            self.refuse(f"scales stack along axis 0 only (this stacks along axis {axis})")
+        self._add(Stack(axis=0), self.scales, self.outputs)
+
+    def unstack(self, axis: int) -> None:
+        if axis != 0:
+            self.refuse(f"scales unstack along axis 0 only (this unstacks along axis {axis})")
+        if self.grid[0] is None:
+            self._add(Replicate(parts=len(self.outputs)), self.scales, self.outputs)
+        elif self.grid[0] == 1 and len(self.scales[0].spec.shape) >= 1:
+            self._add(Unstack(axis=0), self.scales, self.outputs)
+        else:
+            self.refuse("its scale does not have one entry per stacked tensor")
+
+    def transpose(self, perm: Sequence[int]) -> None:
+        if all(g is None for g in self.grid):
+            self.rename()
+            return
+        scale = self.scales[0]
+        if len(scale.spec.shape) != self.ndim:
+            self.refuse(f"its {scale.kind} scale {list(scale.spec.shape)} would not line up with the "
+                        "transposed weight")
+        moved = [self.grid[p] for p in perm]
+        expected = scale_grid(self.step.output_specs[0].shape,
+                              tuple(scale.spec.shape[p] for p in perm), self.scheme.block)
+        if expected != tuple(moved):
+            self.refuse(f"the transposed blocks ({moved}) are not the checkpoint's block size "
+                        f"{self.scheme.describe_block()}")
+        self._add(Transpose(perm=tuple(perm)), self.scales, self.outputs)
+
+    def reshape(self) -> None:
+        if all(g is None for g in self.grid):
+            self.rename()
+        else:
+            self.refuse("a reshape does not keep blocks, channels or rows of the scale grid")
+
+    # --- mechanics ------------------------------------------------------------------------
+
+    def _add(self, op: Op, scales: Sequence[Scale], outputs: Sequence[str],
+             out_specs: Sequence[TensorSpec] | None = None) -> None:
+        specs = tuple(s.spec for s in scales)
+        names = [s.name for s in scales]
+        if out_specs is None:
+            try:
+                out_specs = op.infer(specs, names)
+            except PlanError as e:
+                self.refuse(str(e))
+        self.steps.append(Step(op, tuple(names), tuple(outputs), specs, tuple(out_specs)))
+
+    def _block_map(self, axis: int, g: int, in_lengths: list[int]) -> list[np.ndarray]:
+        """For each output of the weight step, the block (numbered across the inputs' scales)
+        each of its g-long blocks comes from; refuses when a block mixes rows of two blocks."""
+        step = self.step
+        starts = np.cumsum([0, *in_lengths])
+        moved = step.op.apply([_ids(self.ndim, axis, n, start) for n, start in zip(in_lengths, starts)])
+        part = lambda rows: np.searchsorted(starts, rows, side="right") - 1  # noqa: E731
+        block_starts = np.cumsum([0, *[-(-n // g) for n in in_lengths]])
+        out = []
+        used: set[int] = set()
+        for o, rows in enumerate(moved):
+            rows = rows.reshape(-1)
+            k = part(rows)
+            blocks = block_starts[k] + (rows - starts[k]) // g
+            mapped = []
+            for j in range(0, len(rows), g):
+                these = np.unique(blocks[j:j + g])
+                if len(these) != 1 or int(these[0]) in used:
+                    self._refuse_block(o, j, g, rows[j:j + g], k[j:j + g], starts, axis)
+                used.add(int(these[0]))
+                mapped.append(int(these[0]))
+            out.append(np.array(mapped, dtype=np.int64))
+        return out
+
+    def _refuse_block(self, o, j, g, rows, parts, starts, axis) -> None:
+        step = self.step
+        where = "row" if axis == 0 else f"index along axis {axis}"
+        change = next((i for i in range(1, len(parts)) if parts[i] != parts[i - 1]), None)
+        if change is not None:
+            detail = (f"{where}s {j}..{j + len(rows) - 1} of {step.outputs[o]!r} fall in one {g}-long block of "
+                      f"its {self.role} but come from {step.inputs[parts[0]]!r} and {step.inputs[parts[change]]!r}: "
+                      f"the boundary at {where} {j + change} is not a multiple of the block size {g} "
+                      "(only the last part may end inside a block)")
+        else:
+            local = rows - starts[parts[0]]
+            detail = (f"{where}s {j}..{j + len(rows) - 1} of {step.outputs[o]!r} fall in one {g}-long block of "
+                      f"its {self.role} but come from {where}s {int(local.min())}..{int(local.max())} of "
+                      f"{step.inputs[parts[0]]!r}, which lie in different blocks or are split apart")
+        self.refuse(f"{detail}. Dequantize first (-r fp8-dequant), or use a layout whose parts "
+                    f"fill whole blocks of {g}")
+
+
+def _ids(ndim: int, axis: int, length: int, start: int) -> np.ndarray:
+    """Ids ``start .. start+length-1`` laid along ``axis`` of an ``ndim``-dimensional array."""
+    shape = [1] * ndim
+    shape[axis] = length
+    return (np.arange(length, dtype=np.int64) + int(start)).reshape(shape)
