@@ -16,12 +16,14 @@ True
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from .errors import PlanError
 from .executor import run_plan
-from .io.checkpoint import Checkpoint, open_checkpoint
+from .config_edit import resolve_edits
+from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text
+from .io.output import output_kind
 from .plan import Plan
 from .planner import make_plan
 from .rules.inverse import invert_ruleset
@@ -91,18 +93,44 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
     rulesets = load_rulesets(checkpoint, rules)
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
-    steps, result = make_plan(table, rulesets, untie)
+    steps, result = make_plan(table, rulesets, untie, checkpoint.config)
     return Planned(checkpoint, table, steps, result)
 
 
-def _write(checkpoint: Checkpoint, table: ParamTable, recorded: Plan, out, *, max_shard_size, force,
+def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
            progress, on_note) -> FuseReport:
+    """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
+    change the output's config.json."""
     out = os.fspath(out)
+    new, companions = _edit_config(checkpoint, new, out, on_note)
+    recorded = history + new
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
-                         companions=checkpoint.companions, max_shard_size=max_shard_size, force=force,
+                         companions=companions, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note)
     return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                       len(recorded.steps), table.ties())
+
+
+def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple[Plan, list[Companion]]:
+    """The plan with each [config] edit's replaced text recorded, and the companions to write
+    (the edited config.json in place of the input's)."""
+    edits = plan.config_edits()
+    if not edits:
+        return plan, list(checkpoint.companions)
+    where = checkpoint.config_path or f"{checkpoint.path} (config.json)"
+    text = read_config_text(checkpoint.config_path) if checkpoint.config_path else None
+    resolved, final = resolve_edits(edits, text, where)
+    it = iter(resolved)
+    plan = Plan(tuple(replace(g, config=next(it)) if g.config is not None else g for g in plan.groups))
+    if output_kind(out) != "folder":
+        if on_note is not None:
+            on_note(f"{out} is one file: the [config] edits ({'; '.join(e.describe() for e in resolved)}) "
+                    "are recorded but no config.json is written; write a folder to get it")
+        return plan, list(checkpoint.companions)
+    companions = [c for c in checkpoint.companions if c.relative != "config.json"]
+    if final is not None:
+        companions.append(Companion(where, "config.json", content=final.encode("utf-8")))
+    return plan, companions
 
 
 def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, force: bool = False,
@@ -116,7 +144,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     checkpoint = planned.checkpoint
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
-    return _write(checkpoint, result, history + planned.plan, out, max_shard_size=max_shard_size,
+    return _write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                   force=force, progress=progress, on_note=on_note)
 
 
@@ -129,18 +157,19 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     if rules:
         rulesets = [invert_ruleset(r) for r in reversed(load_rulesets(checkpoint, rules))]
         start = _prepared_table(checkpoint, rulesets, False, write_ties_once)
-        steps, _ = make_plan(start, rulesets, untie)
+        steps, _ = make_plan(start, rulesets, untie, checkpoint.config)
         table = run_plan(start, steps, str(checkpoint.path), untie)
-        history = (checkpoint.provenance.plan if checkpoint.provenance else Plan()) + steps
+        history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), steps
     else:
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
             raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
         start = checkpoint.table.copy()
         if write_ties_once:
             start.store_once()
-        table = run_plan(start, checkpoint.provenance.plan.inverse(), f"{checkpoint.path} (provenance)", untie)
-        history = Plan()
-    return _write(checkpoint, table, history, out, max_shard_size=max_shard_size, force=force,
+        inverse = checkpoint.provenance.plan.inverse()
+        table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
+        history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
+    return _write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                   progress=progress, on_note=on_note)
 
 
@@ -162,7 +191,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     if write_ties_once:
         table.store_once()
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
-    return _write(checkpoint, table, history, out, max_shard_size=max_shard_size, force=force,
+    return _write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
                   progress=progress, on_note=on_note)
 
 

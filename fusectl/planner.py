@@ -14,7 +14,7 @@ from .errors import PlanError, RuleError, quote
 from .executor import apply_group
 from .limits import check_limit
 from .plan import Plan, Step, StepGroup
-from .quantization import QuantScheme, lift_scales, scheme_from
+from .quantization import QuantScheme, lift_scales, scale_names, scheme_from
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable
 from .tensors import TensorSpec
@@ -53,7 +53,13 @@ def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme()
     steps that move the scales of the quantized weights it consumes."""
     names = table.names()
     steps: list[Step] = []
-    for inputs, binding in _bindings(rule, names, table):
+    bindings = list(_bindings(rule, names, table))
+    # a pattern such as ``q_proj.{t}`` binds a weight and its scales alike: the scales then
+    # move with their weight (below), not as parts of their own
+    scales = scale_names({n for inputs, _ in bindings for n in inputs if n is not None})
+    for inputs, binding in bindings:
+        if all(n in scales for n in inputs if n is not None):
+            continue
         # specs, not just presence: an op may resolve a parameter from them (bn_fold's layer)
         op = rule.op.for_present([table.spec(n) if n is not None else None for n in inputs])
         op = op.with_block_size(scheme.block)

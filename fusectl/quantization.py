@@ -52,6 +52,11 @@ def scale_name(weight: str, role: str) -> str:
     return weight + suffix
 
 
+def scale_names(weights: set[str]) -> set[str]:
+    """Every name a scale of one of ``weights`` would have (whether or not it exists)."""
+    return {scale_name(w, role) for w in weights for role in ROLES}
+
+
 @dataclass(frozen=True)
 class QuantScheme:
     """What a checkpoint's quantization config says: the block size of block scales."""
@@ -210,12 +215,15 @@ class ScaleLift:
         self.step, self.role, self.scheme, self.describe = step, role, scheme, describe
         self.ndim = len(step.input_specs[0].shape)
         self.steps: list[Step] = []
-        missing = [n for n, s in zip(step.inputs, scales) if s is None]
+        # a step's inputs that are themselves scales (dequantize's) have none of their own
+        own_scales = scale_names(set(step.inputs))
+        missing = [n for n, s in zip(step.inputs, scales) if s is None and n not in own_scales]
         first = next(s for s in scales if s is not None)
         if missing:
             raise PlanError(f"{describe}: {first.name!r} scales {step.inputs[scales.index(first)]!r}, but "
-                            f"{missing[0]!r} has no {scale_name(missing[0], role)!r}; parts of one step must be "
+                            f"{missing[0]!r} has no {scale_name(missing[0], role)!r}; the parts of one step must be "
                             "quantized alike. Dequantize first (-r fp8-dequant)")
+        scales = [s for s in scales if s is not None]
         for s in scales:
             if s.grid != first.grid or s.spec.dtype != first.spec.dtype:
                 raise PlanError(f"{describe}: {s.name!r} ({s.kind}, {s.spec}) and {first.name!r} ({first.kind}, "

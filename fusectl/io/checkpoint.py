@@ -33,6 +33,7 @@ class Companion:
     source: str
     relative: str
     is_dir: bool = False
+    content: bytes | None = None  # written instead of the source's bytes (an edited config.json)
 
 
 @dataclass
@@ -285,6 +286,10 @@ def _loops(path: str) -> bool:
 
 
 def _read_json(path: str, what: str):
+    return load_json(_read_json_bytes(path, what), path, what)
+
+
+def _read_json_bytes(path: str, what: str) -> bytes:
     try:
         with open_input(path) as f:
             check_limit("json-bytes", os.fstat(f.fileno()).st_size, path)
@@ -292,7 +297,15 @@ def _read_json(path: str, what: str):
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from e
     check_limit("json-bytes", len(raw), path)
-    return load_json(raw, path, what)
+    return raw
+
+
+def read_config_text(path: str) -> str:
+    """The text of a config.json (as read for ``config:`` variables), for [config] edits."""
+    try:
+        return _read_json_bytes(path, "the config").decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: the config is not UTF-8 ({e.reason})") from None
 
 
 def _read_config(path: str) -> dict:

@@ -48,7 +48,11 @@ class FolderWriter:
                 os.makedirs(target, exist_ok=True)
                 continue
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.copy2(companion.source, target)
+            if companion.content is not None:
+                with open(target, "wb") as f:
+                    f.write(companion.content)
+            else:
+                shutil.copy2(companion.source, target)
         self._folder = folder
         self._total = sum(s.nbytes for shard in shards for _, s in shard)
         if len(shards) == 1:

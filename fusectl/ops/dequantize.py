@@ -41,6 +41,8 @@ def scale_grid(weight: Sequence[int], scale: Sequence[int], block: Sequence[int]
     (1, None)
     >>> scale_grid((4, 96, 64), (), None)
     (None, None, None)
+    >>> scale_grid((128, 256), (1, 2), (128, 128))  # one block row, not a broadcast
+    (128, 128)
     """
     if len(scale) > len(weight):
         return None
@@ -50,13 +52,15 @@ def scale_grid(weight: Sequence[int], scale: Sequence[int], block: Sequence[int]
             grid.append(None)
             continue
         entries = scale[axis]
-        step = _block_step(block, axis, len(weight))
-        if entries == length:
+        # a scale with the weight's rank is a block grid where it fits one (a 128-row weight
+        # has one block row: one entry is that block, not a broadcast)
+        step = _block_step(block, axis, len(weight)) if len(scale) == len(weight) else None
+        if step and entries == -(-length // step) and step > 1:
+            grid.append(step)
+        elif entries == length:
             grid.append(1)
         elif entries == 1:
             grid.append(None)
-        elif step and entries == -(-length // step):
-            grid.append(step)
         else:
             return None
     return tuple(grid)
@@ -88,6 +92,7 @@ class Dequantize(Op):
     kind: ClassVar[str] = "dequantize"
     exact: ClassVar[bool] = False
     named_inputs: ClassVar[tuple[str, ...]] = ("weight", "scale")
+    named_outputs: ClassVar[tuple[str, ...]] = ("output",)
     binding_inputs: ClassVar[tuple[str, ...]] = ("scale",)
     block: tuple[int, ...] = ()
     dtype: str = "bfloat16"

@@ -36,4 +36,8 @@ def invert_rule(rule: Rule) -> Rule:
 def invert_ruleset(ruleset: RuleSet) -> RuleSet:
     """The rules that undo ``ruleset``, last first; guards (``refuse``) change nothing and are left out."""
     rules = [r for r in reversed(ruleset.rules) if not r.op.guard]
-    return replace(ruleset, rules=tuple(invert_rule(r) for r in rules))
+    try:
+        config = ruleset.config.inverse() if ruleset.config is not None else None
+    except PlanError as e:
+        raise PlanError(f"{ruleset.source} [config]: {e}") from None
+    return replace(ruleset, rules=tuple(invert_rule(r) for r in rules), config=config)

@@ -135,7 +135,7 @@ def verify_checkpoints(
 def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -> Plan:
     """The plan to check: the candidate's provenance, or the rules given with -r."""
     if rulesets:
-        plan, _ = make_plan(reference.table, rulesets, untie=True)
+        plan, _ = make_plan(reference.table, rulesets, untie=True, config=reference.config)
         return plan
     if candidate.provenance is None or not candidate.provenance.plan.groups:
         raise VerifyError(f"{candidate.path}: no fusectl provenance; pass -r RULES to say how it was made")
