@@ -18,6 +18,7 @@ from .errors import FusectlError, OutputError, printable
 from .io.checkpoint import Checkpoint, open_checkpoint, takes_key
 from .io.provenance import plan_to_json
 from .plan import Plan
+from .quantization import quantization_report, scale_names
 from .rules.presets import preset_description, preset_names, preset_text
 from .table import ParamTable
 from .ties import detect_ties
@@ -234,6 +235,7 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         "config": c.config_path,
         "state_dict_key": c.state_dict_key,
         "ignored": c.ignored,
+        "quantization": quantization_report(c.table, c.config),
     }
     if detect:
         known = {tuple(g) for g in c.table.ties()}
@@ -260,9 +262,20 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     if report.get("constant_groups_skipped"):
         click.echo(f"not suspected: {report['constant_groups_skipped']} group(s) of equal tensors whose "
                    "elements are all one value (all-ones norms, zero biases), which are equal by chance")
+    quantized = report["quantization"]
+    if quantized:
+        kinds = sorted({s["kind"] for scales in quantized["weights"].values() for s in scales})
+        click.echo(f"quantized: {len(quantized['weights'])} weight(s) with scales ({', '.join(kinds)}); "
+                   f"block size {_block_text(quantized)}")
     if c.provenance:
         click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
                    f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
+
+
+def _block_text(quantized: dict) -> str:
+    if not quantized["block_size"]:
+        return "not set (no block scales, or set quantization_config.weight_block_size)"
+    return f"{quantized['block_size'][0]}x{quantized['block_size'][1]} ({quantized['block_size_source']})"
 
 
 def _names(names) -> str:
@@ -284,10 +297,17 @@ def _print_plan(plan: Plan, result: ParamTable) -> None:
                                   ("numeric", any(not s.op.exact for s in group.steps))) if on]
         note = f" ({', '.join(notes)})" if notes else ""
         click.echo(f"{group.describe()}: {group.kind} x{len(group.steps)}{note}")
+        if group.config is not None:
+            click.echo(f"  {group.config.describe()}")
+        weights: set[str] = set()
         for step in group.steps:
             ins = ", ".join(f"{printable(n)} {s}" for n, s in zip(step.inputs, step.input_specs))
             outs = ", ".join(f"{printable(n)} {s}" for n, s in zip(step.outputs, step.output_specs))
-            click.echo(f"  {ins} -> {outs or '(dropped)'}")
+            # a quantized weight's scales move right after it, shown beside it
+            is_scale = all(n in scale_names(weights) for n in step.inputs)
+            if not is_scale:
+                weights = set(step.inputs)
+            click.echo(f"  {'  scale: ' if is_scale else ''}{ins} -> {outs or '(dropped)'}")
         for members in group.untied:
             click.echo(f"  untied (--untie): {_names(members)}")
     unique = result.unique()

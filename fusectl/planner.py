@@ -14,7 +14,7 @@ from .errors import PlanError, RuleError, quote
 from .executor import apply_group
 from .limits import check_limit
 from .plan import Plan, Step, StepGroup
-from .quantization import QuantScheme, lift_scales, scale_names, scheme_from
+from .quantization import QuantScheme, scale_names, scheme_from, with_scales
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable
 from .tensors import TensorSpec
@@ -82,7 +82,7 @@ def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme()
             f"{rule.describe()} matches nothing: no tensor fits {_first(rule).text!r}"
             f"{_closest_hint(rule.inputs[0].text, names)}. Fix the pattern or set optional = true"
         )
-    return steps + lift_scales(steps, table, scheme, rule.describe())
+    return with_scales(steps, table, scheme, rule.describe())
 
 
 def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):

@@ -5,7 +5,7 @@ A weight ``X.weight`` is quantized when the table holds one of its *scales*:
 ``X.weight_scale`` (compressed-tensors / ModelOpt: per tensor, per channel or per block) or
 ``X.input_scale`` (a static activation scale). A weight not named ``….weight`` (a stacked
 ``experts.w1``) has ``experts.w1_scale_inv``, ``experts.w1_scale``, ``experts.w1_input_scale``.
-Rules are written for weights; :func:`lift_scales` derives the steps their scales take from
+Rules are written for weights; :func:`with_scales` derives the steps their scales take from
 each step's op (``Op.lift_scales``): the same op on the scale grid where whole blocks move to
 whole blocks, one scale for all where per-tensor scales are equal, refused otherwise.
 
@@ -144,11 +144,24 @@ def scales_of(table: ParamTable, weight: str, scheme: QuantScheme) -> list[Scale
     return out
 
 
-def quantized_weights(table: ParamTable, scheme: QuantScheme) -> dict[str, list[Scale]]:
-    """Every weight that has scales, with them (for ``inspect``)."""
-    return {name: found for name in table.names()
-            if any(scale_name(name, role) in table for role in ROLES)
-            for found in [scales_of(table, name, scheme)] if found}
+def quantization_report(table: ParamTable, config: Mapping | None) -> dict | None:
+    """The quantized weights of a table, each with its scales' names, roles and kinds, and the
+    block size (for ``inspect --json``); None when no weight has scales."""
+    scheme = scheme_from(config)
+    weights = {}
+    for name in table.names():
+        roles = [role for role in ROLES if scale_name(name, role) in table]
+        if not roles:
+            continue
+        try:
+            found = [(s.name, s.role, s.kind) for s in scales_of(table, name, scheme)]
+        except PlanError:  # inspect shows what it can; a rule on this weight says why
+            found = [(scale_name(name, role), role, "unrecognized") for role in roles]
+        weights[name] = [{"name": n, "role": r, "kind": k} for n, r, k in found]
+    if not weights:
+        return None
+    return {"block_size": list(scheme.block) if scheme.block else None,
+            "block_size_source": scheme.source or None, "weights": weights}
 
 
 class _Modules:
@@ -175,14 +188,16 @@ class _Modules:
         return out
 
 
-def lift_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, describe: str) -> list[Step]:
-    """The steps the scales of the quantized weights ``steps`` consume take (one rule's steps,
-    bound to ``table``); a PlanError naming the weight, the scale and why when they cannot
-    follow exactly, or when a consumed tensor has a scale-like companion fusectl does not know."""
+def with_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, describe: str) -> list[Step]:
+    """One rule's steps (bound to ``table``), each followed by the steps the scales of the
+    quantized weights it consumes take; a PlanError naming the weight, the scale and why when
+    they cannot follow exactly, or when a consumed tensor has a scale-like companion fusectl
+    does not know."""
     consumed = {n for step in steps for n in step.inputs}
     modules: _Modules | None = None
     lifted: list[Step] = []
     for step in steps:
+        lifted.append(step)
         scales = {name: scales_of(table, name, scheme) for name in step.inputs}
         known = {s.name for found in scales.values() for s in found} | consumed
         if modules is None and table.entries:
