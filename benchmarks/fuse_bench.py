@@ -5,7 +5,7 @@ What it measures
     For synthetic sharded bf16 Llama-style checkpoints (Hugging Face layout: ``config.json``,
     ``model-0000k-of-0000n.safetensors`` shards of at most ~500 MB, ``model.safetensors.index.json``,
     GQA with 32 heads / 8 KV heads) of about 1 GB and about 2.4 GB, the wall time and the peak
-    resident memory (RSS) of three ways of producing an output of the same bytes:
+    resident memory (RSS) of four ways of producing an output of the same bytes:
 
       cp     ``cp -r SRC DST`` -- the speed limit: the same bytes copied, nothing re-laid out;
       cp+sync  ``cp -r SRC DST && sync`` -- the same, on disk: fusectl fsyncs every output file
@@ -19,6 +19,16 @@ What it measures
     SPEC section 5 asks that fusing runs within 1.3x of ``cp`` and that its peak memory does not
     grow with the checkpoint's size; the summary prints both figures (fuse/cp median time ratio,
     fuse RSS growth from the 1 GB to the 2.4 GB checkpoint).
+
+    With ``--fp8`` the checkpoints are block-FP8 instead (DeepSeek-V3 / Qwen3-FP8 layout): every
+    linear weight ``X.weight`` is F8_E4M3 [out, in] with ``X.weight_scale_inv`` F32
+    [ceil(out/128), ceil(in/128)], embeddings, norms and lm_head stay BF16, and config.json has
+    ``quantization_config`` (fp8, e4m3, dynamic, ``weight_block_size`` [128, 128]). Same shapes
+    and sharding, twice the layers (16 and 48; one byte a parameter) so the sizes stay about
+    1 GB and 2.4 GB. fuse concatenates each q/k/v (gate/up) weight and its scale grid; the naive
+    baseline does the same (F8_E4M3 via ml_dtypes). The weights are random bytes with the
+    exponent's top bit cleared (finite, never the NaN encodings 0x7F/0xFF), the scales random
+    positive finite F32. They are cached as ``llama-fp8-LABEL-<hash>`` beside the bf16 ones.
 
 How it measures
     * Every run is a fresh process, started by a tiny wrapper (``python -S -I -c``, about 6.6 MB)
@@ -39,7 +49,10 @@ How it measures
     * Once per size, after the first fuse and the first naive run, the output is checked against
       the input from the safetensors headers: one layer's ``qkv_proj`` must equal concat(q, k, v)
       bytes and its ``gate_up_proj`` concat(gate, up); every other tensor must be present with the
-      same dtype and shape. A mismatch stops the benchmark with exit status 1.
+      same dtype and shape. With ``--fp8`` the same holds for ``qkv_proj.weight_scale_inv`` and
+      ``gate_up_proj.weight_scale_inv`` (no unfused ``q_proj.weight_scale_inv`` etc. may remain),
+      and the output's config.json must keep ``weight_block_size`` [128, 128]. A mismatch stops
+      the benchmark with exit status 1.
     * If fuse/cp exceeds the 1.3x bar, one fuse run of the largest size is profiled with cProfile
       (untimed) and the top functions are printed.
 
@@ -47,6 +60,8 @@ How to run
     /work/venv/bin/python benchmarks/fuse_bench.py                 # default: 1GB and 2.4GB, 5 reps
     /work/venv/bin/python benchmarks/fuse_bench.py --repeat 3 --json bench.json
     /work/venv/bin/python benchmarks/fuse_bench.py --sizes tiny --repeat 1   # smoke test, seconds
+    /work/venv/bin/python benchmarks/fuse_bench.py --fp8           # block-FP8 checkpoints instead
+    /work/venv/bin/python benchmarks/fuse_bench.py --fp8 --sizes tiny --repeat 1   # its smoke test
     /work/venv/bin/python benchmarks/fuse_bench.py --profile       # also profile one fuse run
     /work/venv/bin/python benchmarks/fuse_bench.py --naive SRC DST # the naive baseline alone
 
@@ -54,8 +69,8 @@ What it needs
     Linux (``os.wait4``, ``fork``), GNU ``cp`` on PATH, the Python of a venv where fusectl is
     installed (``fusectl`` is looked up beside ``sys.executable``, else on PATH; ``--fusectl``
     overrides) with numpy and ml_dtypes. Disk under ``--workdir`` (default /work/bench-data, which
-    must not be committed): the checkpoints (~3.4 GB, generated once and reused while their
-    parameters are unchanged) plus one output at a time (<= 2.4 GB). Memory: the naive baseline
+    must not be committed): the checkpoints (~3.4 GB, and ~3.4 GB more for ``--fp8``, generated
+    once and reused while their parameters are unchanged) plus one output at a time (<= 2.4 GB). Memory: the naive baseline
     holds about twice the largest checkpoint (~4.5 GB). The default run takes about 1.5 minutes
     on a 2-core VM (ext4, warm cache); generating the checkpoints the first time adds ~10 s.
 """
@@ -96,6 +111,19 @@ SIZES = {
                  num_key_value_heads=8, vocab_size=1000, num_hidden_layers=4),
 }
 DEFAULT_SIZES = ["1GB", "2.4GB"]
+# --fp8: the same shapes in block-FP8 (DeepSeek-V3 / Qwen3-FP8 layout). A linear weight is one
+# byte a parameter (plus a F32 scale per 128x128 block, ~0.02%), so twice the layers give about
+# the same bytes: each layer ~45 MB. Every block boundary of a fused tensor must fall on a
+# multiple of 128 rows (fusectl refuses a ragged one), so tiny gets KV rows that are 128.
+FP8_BLOCK = 128
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+FP8_SIZES = {
+    "1GB": dict(BASE, num_hidden_layers=16),     # 0.98 GB
+    "2.4GB": dict(BASE, num_hidden_layers=48),   # 2.43 GB
+    "tiny": dict(hidden_size=512, intermediate_size=1408, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=1000, num_hidden_layers=4),
+}
 METHODS = ["cp", "cp+sync", "fuse", "naive"]
 RULES = ["llama-qkv", "llama-gate-up"]
 
@@ -212,8 +240,28 @@ def llama_tensors(cfg):
     return out
 
 
-def checkpoint_bytes(cfg) -> int:
-    return sum(2 * math.prod(shape) for _, shape in llama_tensors(cfg))
+LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+
+
+def checkpoint_items(cfg, fp8=False):
+    """(name, safetensors dtype, shape, nbytes) of the checkpoint, in state_dict() order.
+
+    bf16: every tensor BF16. fp8: each linear weight ``X.weight`` F8_E4M3 [out, in] followed by
+    ``X.weight_scale_inv`` F32 [ceil(out/128), ceil(in/128)]; embeddings, norms, lm_head BF16.
+    """
+    items = []
+    for name, shape in llama_tensors(cfg):
+        if fp8 and LINEAR.fullmatch(name):
+            grid = tuple(-(-n // FP8_BLOCK) for n in shape)
+            items += [(name, "F8_E4M3", shape, math.prod(shape)),
+                      (name + "_scale_inv", "F32", grid, 4 * math.prod(grid))]
+        else:
+            items.append((name, "BF16", shape, 2 * math.prod(shape)))
+    return items
+
+
+def checkpoint_bytes(cfg, fp8=False) -> int:
+    return sum(item[-1] for item in checkpoint_items(cfg, fp8))
 
 
 def pack_shards(items, max_bytes):
@@ -229,42 +277,52 @@ def pack_shards(items, max_bytes):
     return shards
 
 
-def write_random_bf16(fd, nbytes, rng, chunk=32 << 20):
-    """Append ``nbytes`` of random finite bf16 (exponent MSB cleared: |x| < 2), in chunks."""
+# per dtype, the mask that keeps a random element finite: the exponent's top bit cleared
+# (|x| < 2; for F8_E4M3 this also rules out its only NaN encodings, 0x7F and 0xFF), and for the
+# F32 scales the sign bit too (positive scales)
+RANDOM_MASKS = {"BF16": np.uint16(0xBFFF), "F8_E4M3": np.uint8(0xBF), "F32": np.uint32(0x3FFFFFFF)}
+
+
+def write_random(fd, nbytes, rng, dtype="BF16", chunk=32 << 20):
+    """Append ``nbytes`` of random finite ``dtype`` elements (see RANDOM_MASKS), in chunks."""
+    mask = RANDOM_MASKS[dtype]
     left = nbytes
     while left:
         n = min(left, chunk)
         words = rng.bit_generator.random_raw((n + 7) // 8)  # fastest numpy source of bits
-        halves = words.view(np.uint16)
-        np.bitwise_and(halves, np.uint16(0xBFFF), out=halves)
+        elements = words.view(mask.dtype)
+        np.bitwise_and(elements, mask, out=elements)
         view = memoryview(words.view(np.uint8))[:n]
         while view:
             view = view[os.write(fd, view):]
         left -= n
 
 
-def generate_checkpoint(folder, cfg, shard_bytes, seed):
-    """Write a Hugging Face-layout sharded bf16 Llama checkpoint to ``folder`` (streamed)."""
+def generate_checkpoint(folder, cfg, shard_bytes, seed, fp8=False):
+    """Write a Hugging Face-layout sharded Llama checkpoint (bf16, or block-FP8 with ``fp8``)
+    to ``folder`` (streamed)."""
     os.makedirs(folder)
     rng = np.random.default_rng(seed)
-    items = [(name, shape, 2 * math.prod(shape)) for name, shape in llama_tensors(cfg)]
+    items = checkpoint_items(cfg, fp8)
     shards = pack_shards(items, shard_bytes)
     files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map = {}
+    itemsize = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
     for file, shard in zip(files, shards):
-        # safetensors (and so save_pretrained) lays a file out sorted by name within a dtype
-        shard = sorted(shard)
-        blob = header_blob([(n, "BF16", s, b) for n, s, b in shard], {"format": "pt"})
+        # safetensors (and so save_pretrained) lays a file out by dtype, widest first, and
+        # sorted by name within a dtype
+        shard = sorted(shard, key=lambda item: (-itemsize[item[1]], item[0]))
+        blob = header_blob([(n, d, s, b) for n, d, s, b in shard], {"format": "pt"})
         fd = os.open(os.path.join(folder, file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, blob)
-            for name, _, nbytes in shard:
-                write_random_bf16(fd, nbytes, rng)
+            for name, dtype, _, nbytes in shard:
+                write_random(fd, nbytes, rng, dtype)
                 weight_map[name] = file
         finally:
             os.close(fd)
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sum(i[2] for i in items)},
+        json.dump({"metadata": {"total_size": sum(i[-1] for i in items)},
                    "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
         f.write("\n")
     config = {
@@ -274,6 +332,8 @@ def generate_checkpoint(folder, cfg, shard_bytes, seed):
         "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "attention_bias": False, "mlp_bias": False,
     }
+    if fp8:
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
@@ -307,16 +367,24 @@ def cached_folder(root, stem, params, build):
     return folder, result
 
 
-def ensure_checkpoint(workdir, label, cfg, shard_bytes, seed, log):
-    """The cached checkpoint for these parameters, generated if missing or stale."""
+def ensure_checkpoint(workdir, label, cfg, shard_bytes, seed, log, fp8=False):
+    """The cached checkpoint for these parameters, generated if missing or stale.
+
+    bf16 checkpoints are ``WORKDIR/checkpoints/llama-LABEL-<hash>``, block-FP8 ones
+    ``llama-fp8-LABEL-<hash>``: both kinds coexist in one cache.
+    """
     params = {"config": cfg, "shard_bytes": shard_bytes, "seed": seed, "version": GENERATOR_VERSION}
+    stem = f"llama-{label}"
+    if fp8:  # (bf16 keeps its parameters as they were, so its cached checkpoints stay valid)
+        params["quantization_config"] = QUANTIZATION_CONFIG
+        stem = f"llama-fp8-{label}"
     t0 = time.perf_counter()
-    folder, shards = cached_folder(os.path.join(workdir, "checkpoints"), f"llama-{label}", params,
-                                   lambda temp: generate_checkpoint(temp, cfg, shard_bytes, seed))
+    folder, shards = cached_folder(os.path.join(workdir, "checkpoints"), stem, params,
+                                   lambda temp: generate_checkpoint(temp, cfg, shard_bytes, seed, fp8))
     if shards is None:
         log(f"[{label}] reusing {folder}")
     else:
-        log(f"[{label}] generated {folder}: {checkpoint_bytes(cfg) / 1e9:.2f} GB in {shards} shards, "
+        log(f"[{label}] generated {folder}: {checkpoint_bytes(cfg, fp8) / 1e9:.2f} GB in {shards} shards, "
             f"{time.perf_counter() - t0:.1f} s")
     return folder
 
@@ -330,7 +398,8 @@ def naive_fuse(src, dst):
     import ml_dtypes
 
     dtypes = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16),
-              "F32": np.dtype(np.float32), "F64": np.dtype(np.float64)}
+              "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+              "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
     files = checkpoint_files(src)
     shard_cap = max(os.path.getsize(p) for p in files)
     tensors, keep = {}, []
@@ -347,10 +416,14 @@ def naive_fuse(src, dst):
     layers = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"model\.layers\.(\d+)\.", n))})
     for i in layers:
         p = f"model.layers.{i}."
-        tensors[p + "self_attn.qkv_proj.weight"] = np.concatenate(
-            [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"], axis=0)
-        tensors[p + "mlp.gate_up_proj.weight"] = np.concatenate(
-            [tensors.pop(p + "mlp.gate_proj.weight"), tensors.pop(p + "mlp.up_proj.weight")], axis=0)
+        # block-FP8: each weight's scale grid [out/128, in/128] is concatenated the same way
+        for suffix in ("weight", "weight_scale_inv"):
+            if p + "self_attn.q_proj." + suffix not in tensors:
+                continue
+            tensors[p + "self_attn.qkv_proj." + suffix] = np.concatenate(
+                [tensors.pop(p + f"self_attn.{x}_proj." + suffix) for x in "qkv"], axis=0)
+            tensors[p + "mlp.gate_up_proj." + suffix] = np.concatenate(
+                [tensors.pop(p + "mlp.gate_proj." + suffix), tensors.pop(p + "mlp.up_proj." + suffix)], axis=0)
     names = {dt: code for code, dt in dtypes.items()}
     items = [(n, tensors[n].nbytes) for n in sorted(tensors)]
     shards = pack_shards(items, shard_cap)  # one output file per input-shard-sized chunk
@@ -381,22 +454,34 @@ def naive_fuse(src, dst):
 # correctness
 # --------------------------------------------------------------------------------------------
 
+FUSED = (("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+         ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]))
+
+
 def check_fused(src, dst, cfg, what):
-    """dst must hold src with q/k/v and gate/up of every layer fused (bytes checked for one)."""
+    """dst must hold src with q/k/v and gate/up of every layer fused (bytes checked for one).
+
+    In a block-FP8 checkpoint (src has ``q_proj.weight_scale_inv``) the scale grids are fused
+    alongside their weights: qkv_proj.weight_scale_inv == concat of the three scales, and no
+    unfused scale may remain.
+    """
     a, b = folder_headers(src), folder_headers(dst)
     layers = cfg["num_hidden_layers"]
+    suffixes = ["weight"] + (["weight_scale_inv"] if "model.layers.0.self_attn.q_proj.weight_scale_inv" in a
+                             else [])
     expected = {}
     for name, (_, dtype, shape, _, _) in a.items():
-        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.weight", name)
+        m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.weight(_scale_inv)?",
+                         name)
         if not m:
             expected[name] = (dtype, shape)
     for i in range(layers):
         p = f"model.layers.{i}."
-        for fused, parts in (("self_attn.qkv_proj.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                             "self_attn.v_proj.weight"]),
-                             ("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])):
-            shapes = [a[p + x][2] for x in parts]
-            expected[p + fused] = (a[p + parts[0]][1], (sum(s[0] for s in shapes),) + shapes[0][1:])
+        for fused, parts in FUSED:
+            for suffix in suffixes:
+                shapes = [a[f"{p}{x}.{suffix}"][2] for x in parts]
+                expected[f"{p}{fused}.{suffix}"] = (a[f"{p}{parts[0]}.{suffix}"][1],
+                                                    (sum(s[0] for s in shapes),) + shapes[0][1:])
     got = {n: (e[1], e[2]) for n, e in b.items()}
     if got != expected:
         missing = sorted(set(expected) - set(got))[:5]
@@ -406,22 +491,29 @@ def check_fused(src, dst, cfg, what):
                          f"unexpected {extra}, wrong dtype/shape {wrong}")
     i = layers // 2  # one layer, from the middle of the checkpoint
     p = f"model.layers.{i}."
-    for fused, parts in (("self_attn.qkv_proj.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                         "self_attn.v_proj.weight"]),
-                         ("mlp.gate_up_proj.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])):
-        want = b"".join(tensor_bytes(a[p + x]) for x in parts)
-        have = tensor_bytes(b[p + fused])
-        if have != want:
-            first = None
-            if len(have) == len(want):
-                first = int(np.flatnonzero(np.frombuffer(have, np.uint8) != np.frombuffer(want, np.uint8))[0])
-            raise BenchError(f"{what}: {dst}: {p + fused} is not concat({', '.join(parts)}) of the input "
-                             f"(first differing byte: {first}, sizes {len(have)} vs {len(want)})")
+    for fused, parts in FUSED:
+        for suffix in suffixes:
+            want = b"".join(tensor_bytes(a[f"{p}{x}.{suffix}"]) for x in parts)
+            have = tensor_bytes(b[f"{p}{fused}.{suffix}"])
+            if have != want:
+                first = None
+                if len(have) == len(want):
+                    first = int(np.flatnonzero(np.frombuffer(have, np.uint8) != np.frombuffer(want, np.uint8))[0])
+                raise BenchError(f"{what}: {dst}: {p}{fused}.{suffix} is not concat("
+                                 f"{', '.join(f'{x}.{suffix}' for x in parts)}) of the input "
+                                 f"(first differing byte: {first}, sizes {len(have)} vs {len(want)})")
     # an untouched tensor from the same layer, for good measure
-    for name in (p + "self_attn.o_proj.weight", "lm_head.weight"):
+    for name in [f"{p}self_attn.o_proj.{suffix}" for suffix in suffixes] + ["lm_head.weight"]:
         if tensor_bytes(a[name]) != tensor_bytes(b[name]):
             raise BenchError(f"{what}: {dst}: {name} differs from the input")
-    return f"{what}: layer {i} qkv_proj == concat(q,k,v), gate_up_proj == concat(gate,up), " \
+    if len(suffixes) > 1:  # the fused scales mean nothing to a loader without the block size
+        with open(os.path.join(dst, "config.json")) as f:
+            qc = json.load(f).get("quantization_config") or {}
+        if qc.get("weight_block_size") != [FP8_BLOCK, FP8_BLOCK]:
+            raise BenchError(f"{what}: {dst}/config.json: quantization_config.weight_block_size is "
+                             f"{qc.get('weight_block_size')!r}, not [{FP8_BLOCK}, {FP8_BLOCK}]")
+    scales = " (weights and weight_scale_inv)" if len(suffixes) > 1 else ""
+    return f"{what}: layer {i} qkv_proj == concat(q,k,v), gate_up_proj == concat(gate,up){scales}, " \
            f"{len(got)} tensors with the expected dtypes/shapes: OK"
 
 
@@ -615,6 +707,9 @@ def main(argv=None):
     add_common_arguments(parser, repeat=5)
     parser.add_argument("--profile", action="store_true",
                         help="profile one fuse run of the largest size even when within the bar")
+    parser.add_argument("--fp8", action="store_true",
+                        help="block-FP8 checkpoints (F8_E4M3 linear weights + F32 weight_scale_inv "
+                             "per 128x128 block, twice the layers for about the same bytes) instead of bf16")
     parser.add_argument("--naive", nargs=2, metavar=("SRC", "DST"),
                         help="run only the naive baseline on SRC, writing DST (what the benchmark times)")
     args = parser.parse_args(argv)
@@ -628,10 +723,12 @@ def main(argv=None):
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    sizes = FP8_SIZES if args.fp8 else SIZES
+    kind = "block-FP8 (F8_E4M3, F32 scales per 128x128 block)" if args.fp8 else "bf16"
     labels = [s.strip() for s in args.sizes.split(",") if s.strip()]
     for label in labels:
-        if label not in SIZES:
-            parser.error(f"--sizes: unknown size {label!r}; choose from {', '.join(SIZES)}")
+        if label not in sizes:
+            parser.error(f"--sizes: unknown size {label!r}; choose from {', '.join(sizes)}")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     fusectl = args.fusectl or find_fusectl()
@@ -639,14 +736,14 @@ def main(argv=None):
     out_dir = os.path.join(workdir, "out")
     os.makedirs(out_dir, exist_ok=True)
     shard_bytes = int(args.shard_size * MB)
-    sizes_bytes = {label: checkpoint_bytes(SIZES[label]) for label in labels}
+    sizes_bytes = {label: checkpoint_bytes(sizes[label], args.fp8) for label in labels}
 
     need = max(sizes_bytes.values()) * 1.1 + sum(sizes_bytes.values())
     free = shutil.disk_usage(workdir).free
     if free < need:
         raise BenchError(f"{workdir}: {free / 1e9:.1f} GB free, need about {need / 1e9:.1f} GB")
 
-    sources = {label: ensure_checkpoint(workdir, label, SIZES[label], shard_bytes, args.seed, log)
+    sources = {label: ensure_checkpoint(workdir, label, sizes[label], shard_bytes, args.seed, log, args.fp8)
                for label in labels}
     for folder in sources.values():
         warm(checkpoint_files(folder))
@@ -670,7 +767,7 @@ def main(argv=None):
                     runs.append(dict(size=label, method=method, rep=rep, order=order.index(method),
                                      wall_s=wall, peak_rss_kb=rss, user_s=utime, sys_s=stime))
                 if method in ("fuse", "naive") and (label, method) not in checked:
-                    log("  " + check_fused(src, dst, SIZES[label], f"{label} {method}"))
+                    log("  " + check_fused(src, dst, sizes[label], f"{label} {method}"))
                     checked.add((label, method))
                 remove(dst)
     os.sync()
@@ -678,12 +775,13 @@ def main(argv=None):
 
     table, med = summarize(runs, labels, sizes_bytes, floor_kb)
     print()
-    print(f"fusectl fuse vs cp -r vs naive in-memory fuse; bf16 Llama-style (32 heads / 8 KV heads), "
+    print(f"fusectl fuse vs cp -r vs naive in-memory fuse; {kind} Llama-style (32 heads / 8 KV heads), "
           f"shards <= {args.shard_size:.0f} MB; {args.repeat} runs each, alternating order, "
           f"sync before each run, warm page cache")
     for label in labels:
-        cfg = SIZES[label]
-        print(f"  {label}: {sizes_bytes[label] / 1e9:.2f} GB, {cfg['num_hidden_layers']} layers, "
+        cfg = sizes[label]
+        print(f"  {label}: {sizes_bytes[label] / 1e9:.2f} GB ({sizes_bytes[label]} bytes), "
+              f"{cfg['num_hidden_layers']} layers, "
               f"{len(checkpoint_files(sources[label]))} shards")
     print()
     print(table)
@@ -703,9 +801,11 @@ def main(argv=None):
             "fusectl": fusectl, "fusectl_version": fusectl_version, "python": sys.version,
             "machine": platform.platform(), "cpus": os.cpu_count(),
             "repeat": args.repeat, "shard_bytes": shard_bytes, "rules": RULES,
+            "format": "fp8" if args.fp8 else "bf16",
+            "quantization_config": QUANTIZATION_CONFIG if args.fp8 else None,
             "wrapper_rss_floor_kb": floor_kb, "warmup_rounds": args.warmup,
             "fusectl_startup": [dict(wall_s=w, peak_rss_kb=r, user_s=u, sys_s=y) for w, r, u, y in startup],
-            "sizes": {label: {"config": SIZES[label], "bytes": sizes_bytes[label],
+            "sizes": {label: {"config": sizes[label], "bytes": sizes_bytes[label],
                               "source": sources[label]} for label in labels},
             "runs": runs, "total_s": total,
         })

@@ -230,29 +230,33 @@ class ScaleLift:
         self.step, self.role, self.scheme, self.describe = step, role, scheme, describe
         self.ndim = len(step.input_specs[0].shape)
         self.steps: list[Step] = []
+        self._present = list(scales)
+        self.scales: list[Scale] = [s for s in scales if s is not None]
+        self.grid = self.scales[0].grid
+        self.outputs = [scale_name(o, self.role) for o in step.outputs]
+
+    def _alike(self) -> None:
+        """Every part of a step that moves parts together has a scale of one kind."""
+        step, first = self.step, self.scales[0]
         # a step's inputs that are themselves scales (dequantize's) have none of their own
         own_scales = scale_names(set(step.inputs))
-        missing = [n for n, s in zip(step.inputs, scales) if s is None and n not in own_scales]
-        first = next(s for s in scales if s is not None)
+        missing = [n for n, s in zip(step.inputs, self._present) if s is None and n not in own_scales]
         if missing:
-            raise PlanError(f"{describe}: {first.name!r} scales {step.inputs[scales.index(first)]!r}, but "
-                            f"{missing[0]!r} has no {scale_name(missing[0], role)!r}; the parts of one step must be "
-                            "quantized alike. Dequantize first (-r fp8-dequant)")
-        scales = [s for s in scales if s is not None]
-        for s in scales:
+            raise PlanError(f"{self.describe}: {first.name!r} scales {step.inputs[self._present.index(first)]!r}, "
+                            f"but {missing[0]!r} has no {scale_name(missing[0], self.role)!r}; the parts of one "
+                            "step must be quantized alike. Dequantize first (-r fp8-dequant)")
+        for s in self.scales:
             if s.grid != first.grid or s.spec.dtype != first.spec.dtype:
-                raise PlanError(f"{describe}: {s.name!r} ({s.kind}, {s.spec}) and {first.name!r} ({first.kind}, "
-                                f"{first.spec}) are scales of different kinds; parts of one step must be "
+                raise PlanError(f"{self.describe}: {s.name!r} ({s.kind}, {s.spec}) and {first.name!r} ({first.kind}, "
+                                f"{first.spec}) are scales of different kinds; the parts of one step must be "
                                 "quantized alike. Dequantize first (-r fp8-dequant)")
-        self.scales: list[Scale] = list(scales)
-        self.grid = first.grid
-        self.outputs = [scale_name(o, role) for o in step.outputs]
 
     # --- what an op may say --------------------------------------------------------------
 
     def refuse(self, why: str) -> None:
         s = self.scales[0]
-        raise PlanError(f"{self.describe}: {self.step.inputs[0]!r} is quantized ({s.name!r}, {s.kind}); "
+        weight = self.step.inputs[self._present.index(s)]
+        raise PlanError(f"{self.describe}: {weight!r} is quantized ({s.name!r}, {s.kind}); "
                         f"its {self.step.op.kind} step cannot carry the scale exactly: {why}")
 
     def rename(self) -> None:
@@ -268,6 +272,7 @@ class ScaleLift:
         """The step moves slabs of its weights along ``axis`` (concat, split, interleave,
         reorder, rope_permute); ``make(in_lengths, out_lengths)`` is the same op for the scales,
         given their lengths along that axis."""
+        self._alike()
         step = self.step
         g = self.grid[axis]
         n_in, n_out = len(step.inputs), len(step.outputs)
@@ -303,6 +308,7 @@ class ScaleLift:
         self._add(op, self.scales, self.outputs, out_specs)
 
     def stack(self, axis: int) -> None:
+        self._alike()
         if axis != 0:
             self.refuse(f"scales stack along axis 0 only (this stacks along axis {axis})")
         self._add(Stack(axis=0), self.scales, self.outputs)
@@ -318,6 +324,7 @@ class ScaleLift:
             self.refuse("its scale does not have one entry per stacked tensor")
 
     def transpose(self, perm: Sequence[int]) -> None:
+        self._alike()
         if all(g is None for g in self.grid):
             self.rename()
             return
