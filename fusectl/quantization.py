@@ -164,6 +164,17 @@ def quantization_report(table: ParamTable, config: Mapping | None) -> dict | Non
             "block_size_source": scheme.source or None, "weights": weights}
 
 
+def scale_step_of(step: Step, steps: Sequence[Step]) -> Step | None:
+    """The step among ``steps`` that moves the weight scales (``weight_scale_inv`` or
+    ``weight_scale``) of ``step``'s weights, as ``with_scales`` planned it; None if none does."""
+    for role in ("weight_scale_inv", "weight_scale"):
+        names = tuple(scale_name(n, role) for n in step.inputs)
+        for other in steps:
+            if other.inputs == names:
+                return other
+    return None
+
+
 class _Modules:
     """The table's names grouped by module (everything before the last dot)."""
 

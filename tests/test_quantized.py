@@ -493,3 +493,20 @@ def test_a_config_section_on_a_single_file_output_is_noted(cli, tmp_path):
 def test_bad_config_and_quantization_sections_are_errors(cli, tmp_path, body, needle):
     rules = write_rules(tmp_path / "r.toml", "version = 1\n" + body)
     refused(cli("plan", FIXTURES / "fp8-llama", "-r", rules), needle)
+
+
+def test_the_dequantized_probe_fails_when_scale_rows_are_swapped(cli, tmp_path):
+    """The fused weight's bytes are right but its scale's block rows are swapped: the layer
+    w · s differs, so the probe on dequantized tensors fails (beside the byte comparison)."""
+    out = tmp_path / "fused"
+    ok(cli("fuse", FIXTURES / "fp8-llama", "-r", "llama-qkv", "-o", out))
+    path = out / "model.safetensors"
+    data = path.read_bytes()
+    entry = raw(out)[f"{ATTN}.qkv_proj.weight_scale_inv"]
+    scale = array_of(entry)
+    assert not np.array_equal(scale[0], scale[3])
+    path.write_bytes(data.replace(entry[2], scale[[3, 1, 2, 0]].tobytes()))
+    result = cli("verify", FIXTURES / "fp8-llama", out)
+    assert result.exit_code == 1, result.output
+    failed = [line for line in result.stdout.splitlines() if line.strip().startswith("FAIL")]
+    assert any("dequantized concat" in line for line in failed), result.stdout

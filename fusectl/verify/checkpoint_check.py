@@ -22,6 +22,7 @@ from ..planner import make_plan
 from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
 from .compare import check_tolerance, compare
+from ..quantization import scheme_from
 from .probes import run_probes
 from .report import Check, VerifyReport
 from .runner import check_seed
@@ -126,7 +127,8 @@ def verify_checkpoints(
         back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
         report.checks += compare_tables("inverse", reference.table, back, atol, rtol, proven=proven)
     report.checks += tie_checks(expected, candidate.table)
-    probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol)
+    probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
+                                      scheme_from(reference.config))
     report.provider = chosen
     report.checks += probe_checks
     return report

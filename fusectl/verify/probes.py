@@ -22,6 +22,8 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from ..executor import Evaluation, walk
+from ..ops.dequantize import expand_scale, scale_grid
+from ..quantization import QuantScheme, scale_step_of
 from ..plan import Plan, Step
 from ..table import ParamTable
 from ..tensors import TensorSpec
@@ -174,8 +176,13 @@ def _columns(array: np.ndarray) -> np.ndarray:
 
 
 def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provider: str,
-               seed: int, atol: float | None, rtol: float | None) -> tuple[list[Check], str]:
-    """One probe per distinct (op, specs); returns the checks and the provider used."""
+               seed: int, atol: float | None, rtol: float | None,
+               scheme: QuantScheme = QuantScheme()) -> tuple[list[Check], str]:
+    """One probe per distinct (op, specs); returns the checks and the provider used.
+
+    A step of quantized weights whose scales move beside it (``with_scales``) is probed once
+    more on the dequantized tensors: w · s of each part against w · s of the fused weight,
+    un-fused in ONNX, so a scale moved apart from its rows changes the layer's output."""
     chosen = resolve_provider(provider)
     final_names = set(candidate.names())
     # names a later group consumes are intermediate: the candidate does not hold them
@@ -210,7 +217,31 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
                 check = replace(check, detail=f"columns 0..{PROBE_COLUMNS - 1} of "
                                               f"{readout_width(step.input_specs[0].shape)}: the step moves whole rows")
             checks.append(check)
+            scaled = scale_step_of(step, group.steps)
+            if scaled is not None:
+                s_ins = [before[n] for n in scaled.inputs]
+                s_outs = [source[n] for n in scaled.outputs]
+                dequantized = build_probe(
+                    step, [_dequantized(m_in.array(w), s.read(), scheme, window) for w, s in zip(ins, s_ins)],
+                    [_dequantized(m_out.array(w), s.read(), scheme, window) for w, s in zip(outs, s_outs)],
+                    seed, window)
+                if dequantized is not None:
+                    checks.append(_run_probe(replace(dequantized, label=f"dequantized {dequantized.label} "
+                                                     f"with {scaled.op.kind} of its scales"),
+                                             group.describe(), chosen, atol, rtol))
     return checks, chosen
+
+
+def _dequantized(weight: np.ndarray, scale: np.ndarray, scheme: QuantScheme, window) -> np.ndarray:
+    """w · s in float32 (the scale broadcast over its blocks), computed only on the probe's
+    column window when there is one (the weight is a matrix then: the step moves rows)."""
+    grid = scale_grid(weight.shape, scale.shape, scheme.block)
+    if window:
+        weight = _columns(weight)
+        step = grid[-1]
+        if step is not None and scale.ndim == weight.ndim:
+            scale = scale[..., : -(-PROBE_COLUMNS // step)]
+    return weight.astype(np.float32) * expand_scale(scale.astype(np.float32), weight.shape, grid)
 
 
 def _run_probe(probe: Probe, where: str, provider: str, atol, rtol) -> Check:
