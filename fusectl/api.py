@@ -117,9 +117,13 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
     edits = plan.config_edits()
     if not edits:
         return plan, list(checkpoint.companions)
-    where = checkpoint.config_path or f"{checkpoint.path} (config.json)"
-    text = read_config_text(checkpoint.config_path) if checkpoint.config_path else None
-    resolved, final = resolve_edits(edits, text, where)
+    if checkpoint.config_path is None:  # nothing to edit: the edits are not recorded either
+        if on_note is not None:
+            on_note(f"{checkpoint.path} has no config.json: the rules' [config] edits are left out "
+                    "(give one with --config to edit it)")
+        return Plan(tuple(g for g in plan.groups if g.config is None)), list(checkpoint.companions)
+    where = checkpoint.config_path
+    resolved, final = resolve_edits(edits, read_config_text(where), where)
     it = iter(resolved)
     plan = Plan(tuple(replace(g, config=next(it)) if g.config is not None else g for g in plan.groups))
     if output_kind(out) != "folder":
@@ -128,8 +132,7 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
                     "are recorded but no config.json is written; write a folder to get it")
         return plan, list(checkpoint.companions)
     companions = [c for c in checkpoint.companions if c.relative != "config.json"]
-    if final is not None:
-        companions.append(Companion(where, "config.json", content=final.encode("utf-8")))
+    companions.append(Companion(where, "config.json", content=final.encode("utf-8")))
     return plan, companions
 
 

@@ -35,12 +35,12 @@ class ConfigEdit:
     before: str | None = None
     restore: str | None = None
 
-    def apply(self, text: str | None, where: str) -> str | None:
-        """The config text after this edit (None: no config.json, and nothing to write)."""
+    def apply(self, text: str, where: str) -> str:
+        """The config text after this edit."""
         if self.restore is not None:
             return self.restore
         try:
-            config = json.loads(text) if text is not None else {}
+            config = json.loads(text)
         except ValueError as e:
             raise PlanError(f"{where}: not valid JSON ({e}); [config] edits need a readable config.json") from e
         if not isinstance(config, dict):
@@ -94,11 +94,11 @@ class ConfigEdit:
         return cls(tuple((k, json.dumps(v)) for k, v in sets.items()), tuple(removes), before, restore)
 
 
-def resolve_edits(edits: list[ConfigEdit], text: str | None, where: str) -> tuple[list[ConfigEdit], str | None]:
+def resolve_edits(edits: list[ConfigEdit], text: str, where: str) -> tuple[list[ConfigEdit], str]:
     """Each edit with the text it replaces filled in, and the text after them all."""
     resolved = []
     for edit in edits:
-        if edit.restore is None and edit.before is None and text is not None:
+        if edit.restore is None and edit.before is None:
             edit = ConfigEdit(edit.sets, edit.removes, text)
         resolved.append(edit)
         text = edit.apply(text, where)

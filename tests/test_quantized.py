@@ -510,3 +510,29 @@ def test_the_dequantized_probe_fails_when_scale_rows_are_swapped(cli, tmp_path):
     assert result.exit_code == 1, result.output
     failed = [line for line in result.stdout.splitlines() if line.strip().startswith("FAIL")]
     assert any("dequantized concat" in line for line in failed), result.stdout
+
+
+def test_config_edits_without_a_config_are_left_out_with_a_note(cli, tmp_path):
+    source = tmp_path / "m.safetensors"
+    shutil.copy(FIXTURES / "fp8-llama" / "model.safetensors", source)
+    out = tmp_path / "plain"
+    block = write_rules(tmp_path / "q.toml", "version = 1\n[quantization]\nblock_size = [128, 128]\n")
+    result = ok(cli("fuse", source, "-r", block, "-r", "fp8-dequant", "-o", out))
+    assert "has no config.json" in result.stderr and not (out / "config.json").exists()
+    provenance = ok(cli("inspect", out, "--json")).json()["provenance"]
+    assert [g["op"] for g in provenance["plan"]] == ["dequantize"]
+
+
+@pytest.mark.parametrize("record", [5, {"set": 3}, {"remove": [""]}, {"restore": 7}, {"bogus": 1}])
+def test_a_malformed_config_record_in_the_provenance_is_refused(cli, tmp_path, record):
+    out = tmp_path / "fused"
+    rules = write_rules(tmp_path / "r.toml", 'version = 1\n[config]\nremove = ["rope_theta"]\n')
+    ok(cli("fuse", FIXTURES / "fp8-llama", "-r", "llama-qkv", "-r", rules, "-o", out))
+    tensors = {n: array_of(e) for n, e in raw(out).items()}
+    meta = json.loads((out / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (out / "model.safetensors").read_bytes()[:8], "little")])["__metadata__"]
+    provenance = json.loads(meta["fusectl"])
+    provenance["plan"][-1]["config"] = record
+    meta["fusectl"] = json.dumps(provenance)
+    write_safetensors(out / "model.safetensors", tensors, meta)
+    refused(cli("unfuse", out, "-o", tmp_path / "back"), "config", unwritten=[tmp_path / "back"])
