@@ -21,6 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 from .errors import PlanError
 from .executor import run_plan
+from .adapters import ADAPTER_CONFIG, LoraConfig, make_adapter_plan
 from .config_edit import resolve_edits
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text
 from .io.output import output_kind
@@ -42,6 +43,7 @@ class Planned:
     start: ParamTable
     plan: Plan
     table: ParamTable
+    lora_base: Plan | None = None  # a LoRA adapter's: the plan on its base view it was lifted from
 
 
 @dataclass(frozen=True)
@@ -93,20 +95,41 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
     rulesets = load_rulesets(checkpoint, rules)
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
-    steps, result = make_plan(table, rulesets, untie, checkpoint.config)
-    return Planned(checkpoint, table, steps, result)
+    return _bind(checkpoint, table, rulesets, untie)
+
+
+def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet], untie: bool) -> Planned:
+    """Rules bound to a checkpoint's table; to a LoRA adapter's, through its base view."""
+    adapter = adapter_config(checkpoint)
+    if adapter is None:
+        steps, result = make_plan(table, rulesets, untie, checkpoint.config)
+        return Planned(checkpoint, table, steps, result)
+    where, text = adapter
+    lifted = make_adapter_plan(table, LoraConfig.parse(text, where), text, rulesets, untie, checkpoint.config)
+    return Planned(checkpoint, table, lifted.plan, lifted.table, lifted.base)
+
+
+def adapter_config(checkpoint: Checkpoint) -> tuple[str, str] | None:
+    """(path, text) of a LoRA adapter folder's ``adapter_config.json``; None for other checkpoints."""
+    found = next((c for c in checkpoint.companions if c.relative == ADAPTER_CONFIG and not c.is_dir), None)
+    return (found.source, read_config_text(found.source)) if found else None
 
 
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
-           progress, on_note) -> FuseReport:
+           progress, on_note, lora_base: Plan | None = None) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
-    change the output's config.json."""
+    change the output's config.json (adapter_config.json). A LoRA adapter is written as
+    ``adapter_model.safetensors`` with the base plan its steps were lifted from."""
     out = os.fspath(out)
     new, companions = _edit_config(checkpoint, new, out, on_note)
     recorded = history + new
+    adapter = adapter_config(checkpoint) is not None
+    if adapter and lora_base is not None and checkpoint.provenance and checkpoint.provenance.lora_base:
+        lora_base = checkpoint.provenance.lora_base + lora_base
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
                          companions=companions, max_shard_size=max_shard_size, force=force,
-                         progress=progress, on_note=on_note)
+                         progress=progress, on_note=on_note, stem="adapter_model" if adapter else "model",
+                         lora_base=lora_base)
     return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                       len(recorded.steps), table.ties())
 
@@ -114,25 +137,30 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
 def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple[Plan, list[Companion]]:
     """The plan with each [config] edit's replaced text recorded, and the companions to write
     (the edited config.json in place of the input's)."""
-    edits = plan.config_edits()
-    if not edits:
-        return plan, list(checkpoint.companions)
-    if checkpoint.config_path is None:  # nothing to edit: the edits are not recorded either
-        if on_note is not None:
-            on_note(f"{checkpoint.path} has no config.json: the rules' [config] edits are left out "
-                    "(give one with --config to edit it)")
-        return Plan(tuple(g for g in plan.groups if g.config is None)), list(checkpoint.companions)
-    where = checkpoint.config_path
-    resolved, final = resolve_edits(edits, read_config_text(where), where)
-    it = iter(resolved)
-    plan = Plan(tuple(replace(g, config=next(it)) if g.config is not None else g for g in plan.groups))
-    if output_kind(out) != "folder":
-        if on_note is not None:
-            on_note(f"{out} is one file: the [config] edits ({'; '.join(e.describe() for e in resolved)}) "
-                    "are recorded but no config.json is written; write a folder to get it")
-        return plan, list(checkpoint.companions)
-    companions = [c for c in checkpoint.companions if c.relative != "config.json"]
-    companions.append(Companion(where, "config.json", content=final.encode("utf-8")))
+    companions = list(checkpoint.companions)
+    adapter = adapter_config(checkpoint)
+    sources = {"config.json": checkpoint.config_path, ADAPTER_CONFIG: adapter[0] if adapter else None}
+    for file, where in sources.items():
+        edits = [g.config for g in plan.groups if g.config is not None and g.config.file == file]
+        if not edits:
+            continue
+        if where is None:  # nothing to edit: the edits are not recorded either
+            if on_note is not None:
+                on_note(f"{checkpoint.path} has no {file}: the rules' [config] edits are left out "
+                        "(give one with --config to edit it)")
+            plan = Plan(tuple(g for g in plan.groups if g.config is None or g.config.file != file))
+            continue
+        resolved, final = resolve_edits(edits, read_config_text(where), where)
+        it = iter(resolved)
+        plan = Plan(tuple(replace(g, config=next(it)) if g.config is not None and g.config.file == file else g
+                          for g in plan.groups))
+        if output_kind(out) != "folder":
+            if on_note is not None:
+                on_note(f"{out} is one file: the edits ({'; '.join(e.describe() for e in resolved)}) "
+                        f"are recorded but no {file} is written; write a folder to get it")
+            continue
+        companions = [c for c in companions if c.relative != file]
+        companions.append(Companion(where, file, content=final.encode("utf-8")))
     return plan, companions
 
 
@@ -148,7 +176,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     return _write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
-                  force=force, progress=progress, on_note=on_note)
+                  force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base)
 
 
 def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,
@@ -160,9 +188,10 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     if rules:
         rulesets = [invert_ruleset(r) for r in reversed(load_rulesets(checkpoint, rules))]
         start = _prepared_table(checkpoint, rulesets, False, write_ties_once)
-        steps, _ = make_plan(start, rulesets, untie, checkpoint.config)
-        table = run_plan(start, steps, str(checkpoint.path), untie)
-        history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), steps
+        planned = _bind(checkpoint, start, rulesets, untie)
+        table = run_plan(start, planned.plan, str(checkpoint.path), untie)
+        history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
+        lora_base = planned.lora_base
     else:
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
             raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
@@ -172,8 +201,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         inverse = checkpoint.provenance.plan.inverse()
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
+        lora_base = None
     return _write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
-                  progress=progress, on_note=on_note)
+                  progress=progress, on_note=on_note, lora_base=lora_base)
 
 
 def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False,

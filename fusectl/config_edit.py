@@ -34,6 +34,7 @@ class ConfigEdit:
     removes: tuple[str, ...] = ()
     before: str | None = None
     restore: str | None = None
+    file: str = "config.json"  # adapter_config.json for a LoRA adapter's
 
     def apply(self, text: str, where: str) -> str:
         """The config text after this edit."""
@@ -60,13 +61,13 @@ class ConfigEdit:
         if self.before is None:
             raise PlanError("a [config] edit cannot be undone from the rules file alone (the values it removed "
                             "are not in it); unfuse with the provenance instead of -r")
-        return ConfigEdit(restore=self.before)
+        return ConfigEdit(restore=self.before, file=self.file)
 
     def describe(self) -> str:
         if self.restore is not None:
-            return "config.json: restore the original"
+            return f"{self.file}: restore the original"
         parts = [f"set {k} = {v}" for k, v in self.sets] + [f"remove {p}" for p in self.removes]
-        return "config.json: " + ", ".join(parts)
+        return f"{self.file}: " + ", ".join(parts)
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -78,12 +79,16 @@ class ConfigEdit:
             out["before"] = self.before
         if self.restore is not None:
             out["restore"] = self.restore
+        if self.file != "config.json":
+            out["file"] = self.file
         return out
 
     @classmethod
     def from_json(cls, raw: object, where: str) -> "ConfigEdit":
-        if not isinstance(raw, dict) or set(raw) - {"set", "remove", "before", "restore"}:
-            raise PlanError(f"{where}: a config edit is an object with set, remove, before or restore")
+        if not isinstance(raw, dict) or set(raw) - {"set", "remove", "before", "restore", "file"}:
+            raise PlanError(f"{where}: a config edit is an object with set, remove, before, restore or file")
+        if raw.get("file", "config.json") not in ("config.json", "adapter_config.json"):
+            raise PlanError(f"{where}: a config edit's file is config.json or adapter_config.json")
         sets, removes = raw.get("set", {}), raw.get("remove", [])
         before, restore = raw.get("before"), raw.get("restore")
         if (not isinstance(sets, dict) or not isinstance(removes, list)
@@ -91,7 +96,8 @@ class ConfigEdit:
                 or not all(v is None or isinstance(v, str) for v in (before, restore))):
             raise PlanError(f"{where}: a config edit's set is an object, remove a list of key paths, "
                             "before and restore texts")
-        return cls(tuple((k, json.dumps(v)) for k, v in sets.items()), tuple(removes), before, restore)
+        return cls(tuple((k, json.dumps(v)) for k, v in sets.items()), tuple(removes), before, restore,
+                   raw.get("file", "config.json"))
 
 
 def resolve_edits(edits: list[ConfigEdit], text: str, where: str) -> tuple[list[ConfigEdit], str]:
@@ -99,7 +105,7 @@ def resolve_edits(edits: list[ConfigEdit], text: str, where: str) -> tuple[list[
     resolved = []
     for edit in edits:
         if edit.restore is None and edit.before is None:
-            edit = ConfigEdit(edit.sets, edit.removes, text)
+            edit = ConfigEdit(edit.sets, edit.removes, text, file=edit.file)
         resolved.append(edit)
         text = edit.apply(text, where)
     return resolved, text

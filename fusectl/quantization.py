@@ -6,7 +6,7 @@ A weight ``X.weight`` is quantized when the table holds one of its *scales*:
 ``X.input_scale`` (a static activation scale). A weight not named ``….weight`` (a stacked
 ``experts.w1``) has ``experts.w1_scale_inv``, ``experts.w1_scale``, ``experts.w1_input_scale``.
 Rules are written for weights; :func:`with_scales` derives the steps their scales take from
-each step's op (``Op.lift_scales``): the same op on the scale grid where whole blocks move to
+each step's op (``Op.lift``): the same op on the scale grid where whole blocks move to
 whole blocks, one scale for all where per-tensor scales are equal, refused otherwise.
 
 A consumed tensor with any other scale-like companion (``weight_zero_point``, GPTQ/AWQ
@@ -228,14 +228,14 @@ def with_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, d
             if any(p is not None and p.name in consumed for p in present):
                 continue  # the rule moves this scale itself (dequantize's scale, an explicit rule)
             lift = ScaleLift(step, role, present, scheme, describe)
-            step.op.lift_scales(lift)
+            step.op.lift(lift)
             lifted.extend(lift.steps)
     return lifted
 
 
 class ScaleLift:
     """What one step does to one role of scales (``weight_scale_inv`` of q, k and v); the op
-    says which of the methods below applies (``Op.lift_scales``)."""
+    says which of the methods below applies (``Op.lift``)."""
 
     def __init__(self, step: Step, role: str, scales: Sequence[Scale | None], scheme: QuantScheme, describe: str):
         self.step, self.role, self.scheme, self.describe = step, role, scheme, describe
@@ -267,6 +267,8 @@ class ScaleLift:
     def refuse(self, why: str) -> None:
         s = self.scales[0]
         weight = self.step.inputs[self._present.index(s)]
+        if "fp8-dequant" not in why:
+            why += "; dequantize first (-r fp8-dequant)"
         raise PlanError(f"{self.describe}: {weight!r} is quantized ({s.name!r}, {s.kind}); "
                         f"its {self.step.op.kind} step cannot carry the scale exactly: {why}")
 
@@ -308,8 +310,7 @@ class ScaleLift:
         specs = [s.spec for s in self.scales]
         try:
             out_specs = op.infer(specs, [s.name for s in self.scales])
-            moved = op.apply([_ids(self.ndim, axis, n, start)
-                              for n, start in zip(scale_in, np.cumsum([0, *scale_in]))])
+            moved = moved_ids(op, scale_in, axis, self.ndim)
         except (PlanError, ValueError):  # the op does not fit the scale's lengths
             moved = None
         if moved is None or any(m.reshape(-1).tolist() != b.tolist() for m, b in zip(moved, block_map)) \
@@ -375,7 +376,7 @@ class ScaleLift:
         each of its g-long blocks comes from; refuses when a block mixes rows of two blocks."""
         step = self.step
         starts = np.cumsum([0, *in_lengths])
-        moved = step.op.apply([_ids(self.ndim, axis, n, start) for n, start in zip(in_lengths, starts)])
+        moved = moved_ids(step.op, in_lengths, axis, self.ndim)
         part = lambda rows: np.searchsorted(starts, rows, side="right") - 1  # noqa: E731
         block_starts = np.cumsum([0, *[-(-n // g) for n in in_lengths]])
         out = []
@@ -410,6 +411,12 @@ class ScaleLift:
                       f"{step.inputs[parts[0]]!r}, which lie in different blocks or are split apart")
         self.refuse(f"{detail}. Dequantize first (-r fp8-dequant), or use a layout whose parts "
                     f"fill whole blocks of {g}")
+
+
+def moved_ids(op: Op, lengths: Sequence[int], axis: int, ndim: int) -> list[np.ndarray]:
+    """Where ``op`` moves the slabs of its inputs (of ``lengths`` along ``axis``): for each
+    output, the ids of the slabs it holds, numbered across the inputs in order."""
+    return op.apply([_ids(ndim, axis, n, start) for n, start in zip(lengths, np.cumsum([0, *lengths]))])
 
 
 def _ids(ndim: int, axis: int, length: int, start: int) -> np.ndarray:

@@ -30,12 +30,12 @@ class WriteReport:
     written_bytes: int  # bytes of every tensor written (adopted ties stored twice count twice)
 
 
-def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str]):
+def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str], lora_base: Plan | None = None):
     """Per-file metadata (aliases in the save_model convention) and the provenance entry."""
     unique = table.unique_names()
     written = {name for name, _ in table.written()}
     aliases = {alias: unique[alias] for group in table.ties() for alias in group if alias not in written}
-    provenance = Provenance(plan, aliases).dumps()
+    provenance = Provenance(plan, aliases, lora_base).dumps()
 
     def shard_metadata(entries: Sequence[tuple[str, TensorSpec]]) -> dict[str, str]:
         names = {n for n, _ in entries}
@@ -59,6 +59,8 @@ def write_table(
     force: bool = False,
     progress: bool | None = None,
     on_note: Callable[[str], None] | None = None,
+    stem: str = "model",
+    lora_base: Plan | None = None,
 ) -> WriteReport:
     """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily;
     tied members the input stored itself are written too (``ParamTable.written``).
@@ -76,13 +78,13 @@ def write_table(
         raise OutputError(f"{out}: --max-shard-size applies to folder outputs; drop it or write a folder")
     shards = _cut_shards(unique, sources, kind, max_shard_size)
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
-    shard_metadata, index_metadata = output_metadata(table, plan, passthrough)
+    shard_metadata, index_metadata = output_metadata(table, plan, passthrough, lora_base)
     evaluation = Evaluation([t for _, t in unique])
     bar = Progress("writing", sum(t.spec.nbytes for _, t in unique), progress)
     copied = 0
     with atomic_output(out, force=force, inputs=inputs, on_note=on_note) as temp:
         writer = open_writer(kind, temp, entry_shards, shard_metadata, index_metadata,
-                             companions if kind == "folder" else ())
+                             companions if kind == "folder" else (), stem)
         try:
             for name, tensor in (item for shard in shards for item in shard):
                 ranges = tensor.byte_ranges()

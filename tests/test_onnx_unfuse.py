@@ -103,6 +103,11 @@ CASES = [
     ("merge-equal", rule("merge_equal", 'inputs = ["a", "b", "c"]\noutput = "f"'), {"a": (1,), "b": "a", "c": "a"}),
     ("merge-equal-per-channel", rule("merge_equal", 'inputs = ["a", "b"]\noutput = "f"'), {"a": (3, 1), "b": "a"}),
     ("replicate", rule("replicate", 'input = "s"\noutputs = ["a", "b", "c"]'), {"s": (2, 1)}),
+    ("block-diagonal", rule("block_diagonal", 'inputs = ["a", "b", "c"]\noutput = "f"'),
+     {"a": (3, 2), "b": (1, 4), "c": (2, 1)}),
+    # a block-diagonal input (zeros off the diagonal), as block_diagonal made it
+    ("block-diagonal-split", rule("block_diagonal_split", 'input = "f"\noutputs = ["a", "b"]\nrows = [3, 1]\ncols = [2, 4]'),
+     {"f": ("block_diagonal", (3, 2), (1, 4))}),
 ]
 
 
@@ -169,7 +174,10 @@ def assert_bitwise(got: list[np.ndarray], want: list[np.ndarray]) -> None:
 def test_unfusing_the_fused_tensors_in_onnx_gives_back_the_inputs_bitwise(tmp_path, case, dtype, builder):
     _, rules_text, shapes = case
     rng = np.random.default_rng(sorted(c[0] for c in CASES).index(case[0]))
-    tensors = {name: random_array(rng, shape, dtype) for name, shape in shapes.items() if not isinstance(shape, str)}
+    tensors = {name: random_array(rng, shape, dtype) for name, shape in shapes.items()
+               if not isinstance(shape, str) and not isinstance(shape[0], str)}
+    tensors.update({name: OPS[shape[0]]().apply([random_array(rng, s, dtype) for s in shape[1:]])[0]
+                    for name, shape in shapes.items() if not isinstance(shape, str) and isinstance(shape[0], str)})
     tensors.update({name: tensors[shape].copy() for name, shape in shapes.items() if isinstance(shape, str)})
     step = planned_step(tmp_path, rules_text, tensors)
     inputs = [tensors[n] for n in step.inputs]

@@ -24,7 +24,7 @@ from fusectl.ops import OPS, Op
 from fusectl.ops.guard import Refuse
 from fusectl.ops.dequantize import Dequantize
 from fusectl.ops.layout import (
-    Concat, Deinterleave, Drop, Interleave, MergeEqual, Replicate, Rename, Reorder, Reshape, RopePermute, Split, Stack,
+    BlockDiagonal, BlockDiagonalSplit, Concat, Deinterleave, Drop, Interleave, MergeEqual, Replicate, Rename, Reorder, Reshape, RopePermute, Split, Stack,
     Transpose, Unstack,
 )
 from fusectl.ops.reparam import BnFold, SpectralNormFold, WeightNormFold, WeightNormUnfold
@@ -74,6 +74,9 @@ EXAMPLES: dict[str, tuple[Op, list[np.ndarray]]] = {
     "merge_equal": (MergeEqual(), _data(18, (2, 1)) * 3),
     "replicate": (Replicate(parts=3), _data(19, (2, 1))),
     "dequantize": (Dequantize(block=(2, 2)), _data(20, (4, 5), (2, 3))),
+    "block_diagonal": (BlockDiagonal(), _data(21, (3, 2), (2, 4))),
+    "block_diagonal_split": (BlockDiagonalSplit(rows=(3, 2), cols=(2, 4), parts=2),
+                             [BlockDiagonal().apply(_data(22, (3, 2), (2, 4)))[0]]),
 }
 KINDS = sorted(OPS)
 F32 = BY_NAME["F32"]

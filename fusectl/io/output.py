@@ -40,7 +40,8 @@ class FolderWriter:
     """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
 
     def __init__(self, folder: str, shards: Sequence[Sequence[tuple[str, TensorSpec]]],
-                 shard_metadata, index_metadata: Mapping[str, str], companions: Sequence[Companion]):
+                 shard_metadata, index_metadata: Mapping[str, str], companions: Sequence[Companion],
+                 stem: str = "model"):
         os.makedirs(folder)
         for companion in companions:
             target = os.path.join(folder, companion.relative)
@@ -53,15 +54,15 @@ class FolderWriter:
                     f.write(companion.content)
             else:
                 shutil.copy2(companion.source, target)
-        self._folder = folder
+        self._folder, self._stem = folder, stem
         self._total = sum(s.nbytes for shard in shards for _, s in shard)
         if len(shards) == 1:
-            files = ["model.safetensors"]
+            files = [f"{stem}.safetensors"]
             metadata = {**shard_metadata(shards[0]), **index_metadata}
             self._metas = [metadata]
             self._index = None
         else:
-            files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+            files = [f"{stem}-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
             self._metas = [shard_metadata(s) for s in shards]
             self._index = {
                 "metadata": {"total_size": self._total, **index_metadata},
@@ -90,7 +91,7 @@ class FolderWriter:
         for k in range(self._current + 1, len(self._shards)):  # empty shards cannot occur
             SafetensorsWriter(os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]).close()
         if self._index is not None:
-            with open(os.path.join(self._folder, "model" + INDEX_SUFFIX), "w") as f:
+            with open(os.path.join(self._folder, self._stem + INDEX_SUFFIX), "w") as f:
                 json.dump(self._index, f, indent=2)
                 f.write("\n")
 
@@ -112,10 +113,11 @@ def plan_shards(entries: Sequence[tuple[str, TensorSpec]], max_size: int) -> lis
     return shards
 
 
-def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, companions):
+def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, companions, stem: str = "model"):
     """A writer for ``kind``; ``shard_metadata(shard_entries)`` gives each file's metadata.
 
-    ``shards`` are the entries cut into files (one for a single-file output).
+    ``shards`` are the entries cut into files (one for a single-file output); a folder's files
+    are ``STEM.safetensors`` (``adapter_model`` for a LoRA adapter) or ``STEM-0000k-of-0000n``.
     """
     if kind == "safetensors":
         (entries,) = shards
@@ -123,4 +125,4 @@ def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, co
     if kind == "npz":
         (entries,) = shards
         return NpzWriter(path, entries, {**shard_metadata(entries), **index_metadata})
-    return FolderWriter(path, shards, shard_metadata, index_metadata, companions)
+    return FolderWriter(path, shards, shard_metadata, index_metadata, companions, stem)

@@ -29,6 +29,8 @@ class Provenance:
 
     plan: Plan = field(default_factory=Plan)
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> unique (stored) name
+    # a LoRA adapter's: the plan on its base view (m.weight names) the steps were lifted from
+    lora_base: Plan | None = None
 
     def to_json(self) -> dict:
         return {
@@ -36,6 +38,7 @@ class Provenance:
             "fusectl_version": __version__,
             "plan": plan_to_json(self.plan),
             "aliases": dict(sorted(self.aliases.items())),
+            **({"lora_base": plan_to_json(self.lora_base)} if self.lora_base is not None else {}),
         }
 
     def dumps(self) -> str:
@@ -63,7 +66,7 @@ class Provenance:
                 f"{FORMAT_VERSION}; use the fusectl version that wrote it"
             )
         try:
-            _only_keys(doc, {"format_version", "fusectl_version", "plan", "aliases"}, "the record")
+            _only_keys(doc, {"format_version", "fusectl_version", "plan", "aliases", "lora_base"}, "the record")
             if not isinstance(doc.get("fusectl_version", ""), str):
                 raise _Invalid("fusectl_version must be a string")
             aliases = doc.get("aliases", {})
@@ -72,7 +75,8 @@ class Provenance:
             for alias, unique in aliases.items():
                 _name(alias, "an alias")
                 _name(unique, f"the target of alias {quote(alias)}")
-            return cls(_plan(doc.get("plan", _MISSING)), dict(aliases))
+            lora_base = _plan(doc["lora_base"]) if "lora_base" in doc else None
+            return cls(_plan(doc.get("plan", _MISSING)), dict(aliases), lora_base)
         except _Invalid as e:
             raise _unreadable(where, str(e)) from e
 

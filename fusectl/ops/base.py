@@ -135,13 +135,15 @@ class Op:
         has checked it is in range)."""
         return self.axis % ndim
 
-    def lift_scales(self, lift) -> None:
-        """Say through ``lift`` (``fusectl.quantization.ScaleLift``, duck-typed) what this step does
-        to the scales of the quantized weights it consumes: ``rename()``, ``drop()``,
-        ``along(axis, make)`` for ops moving slabs along one axis, ``stack(axis)``,
-        ``unstack(axis)``, ``transpose(perm)``, or ``refuse(why)``. The default refuses: an op
-        that computes on values cannot keep a quantized weight's scales exact."""
-        lift.refuse(f"{self.kind} computes on the weight's values; dequantize first (-r fp8-dequant)")
+    def lift(self, lift) -> None:
+        """Say through ``lift`` what this step does to the tensors that follow the weights it
+        consumes — a quantized weight's scales (``fusectl.quantization.ScaleLift``), a LoRA
+        adapter's A and B (``fusectl.adapters.LoraLift``); duck-typed: ``rename()``, ``drop()``,
+        ``along(axis, make)`` for ops moving slabs along one axis (``make(in_lengths,
+        out_lengths)`` is the same op for tensors of those lengths along it), ``stack(axis)``,
+        ``unstack(axis)``, ``transpose(perm)``, ``reshape()``, or ``refuse(why)``. The default
+        refuses: an op that computes on values keeps neither scales nor low-rank factors exact."""
+        lift.refuse(f"{self.kind} computes on the weight's values")
 
     def fold_in_graph(self, rewriter, step, values) -> None:
         """Fold this step into an exported graph through ``rewriter`` (the export's pass, duck-typed),

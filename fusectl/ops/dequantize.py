@@ -130,7 +130,7 @@ class Dequantize(Op):
         values = weight.astype(np.float32) * expand_scale(scale.astype(np.float32), weight.shape, grid)
         return [values.astype(BY_NAME[OUTPUT_DTYPES[self.dtype]].numpy)]
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.drop()  # the weight is plain now: its other scales (input_scale) go too
 
 

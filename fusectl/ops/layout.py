@@ -71,7 +71,7 @@ class Rename(Op):
     def inverse(self, specs):
         return Rename()
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.rename()
 
     def byte_ranges(self, ranges, specs, index):
@@ -91,7 +91,7 @@ class Drop(Op):
     def output_count(self, specs):
         return 0
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.drop()
 
     def apply(self, arrays):
@@ -153,7 +153,7 @@ class Concat(RowMover, Op):
         sizes = [s.shape[axis] for s in input_specs]
         return b.node("Split", [fused[0], b.ints(sizes)], len(input_specs), axis=axis)
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Concat(axis=self.axis))
 
     def byte_ranges(self, ranges, specs, index):
@@ -206,7 +206,7 @@ class Split(RowMover, Op):
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         return [b.one("Concat", fused, axis=self.op_axis(len(input_specs[0].shape)))]
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Split(
             axis=self.axis, sizes=tuple(out_lengths), parts=self.parts))
 
@@ -250,7 +250,7 @@ class Interleave(RowMover, Op):
         return Deinterleave(axis=self.axis, groups=self.groups,
                             sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Interleave(
             axis=self.axis, groups=self.groups))
 
@@ -299,7 +299,7 @@ class Deinterleave(RowMover, Op):
     def inverse(self, specs):
         return Interleave(axis=self.axis, groups=self.groups)
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Deinterleave(
             axis=self.axis, groups=self.groups, sizes=tuple(out_lengths), parts=self.parts))
 
@@ -343,7 +343,7 @@ class Stack(Op):
     def rule_inverse_problem(self, over):
         return _explicit_list_problem(self, over)
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.stack(normalize_axis(self.axis, lift.ndim + 1, "the stacked weight"))
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
@@ -384,7 +384,7 @@ class Unstack(Op):
     def rule_inverse_problem(self, over):
         return _explicit_list_problem(self, over)
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.unstack(self.op_axis(lift.ndim))
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
@@ -422,7 +422,7 @@ class Transpose(Op):
     def inverse(self, specs):
         return Transpose(perm=tuple(int(p) for p in np.argsort(self.perm)))
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.transpose(self.perm)
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
@@ -460,7 +460,7 @@ class Reshape(Op):
                             "not in it); unfuse with the provenance instead of -r")
         return Reshape(shape=specs[0].shape)
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.reshape()
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
@@ -496,7 +496,7 @@ class Reorder(RowMover, Op):
         return Reorder(axis=self.axis, chunks=self.chunks,
                        order=tuple(int(k) for k in np.argsort(self.order)))
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: self)
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
@@ -555,7 +555,7 @@ class RopePermute(Op):
     def inverse(self, specs):
         return RopePermute(heads=self.heads, to="meta" if self.to == "hf" else "hf")
 
-    def lift_scales(self, lift):
+    def lift(self, lift):
         lift.along(0, lambda in_lengths, out_lengths: self)
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
@@ -639,6 +639,94 @@ class Replicate(Op):
         return [b.one("Identity", [fused[0]])]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockDiagonal(Op):
+    """Matrices placed along a diagonal, zeros elsewhere: the LoRA B of a fused module whose
+    parts had their own A (``[B1 0; 0 B2]`` with A the parts' As stacked)."""
+
+    kind: ClassVar[str] = "block_diagonal"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
+    inputs_field: ClassVar[str] = "inputs"
+
+    def infer(self, specs, names):
+        same_dtype(specs, names)
+        for spec, name in zip(specs, names):
+            if len(spec.shape) != 2:
+                raise PlanError(f"{name!r} has shape {list(spec.shape)}; block_diagonal takes matrices")
+        rows = sum(s.shape[0] for s in specs)
+        cols = sum(s.shape[1] for s in specs)
+        return [TensorSpec(specs[0].dtype, (rows, cols))]
+
+    def apply(self, arrays):
+        rows, cols = sum(a.shape[0] for a in arrays), sum(a.shape[1] for a in arrays)
+        out = np.zeros((rows, cols), dtype=arrays[0].dtype)
+        r = c = 0
+        for a in arrays:
+            out[r:r + a.shape[0], c:c + a.shape[1]] = a
+            r, c = r + a.shape[0], c + a.shape[1]
+        return [out]
+
+    def inverse(self, specs):
+        if specs is None:
+            return None
+        return BlockDiagonalSplit(rows=tuple(s.shape[0] for s in specs), cols=tuple(s.shape[1] for s in specs),
+                                  parts=len(specs))
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        rows = b.node("Split", [fused[0], b.ints([s.shape[0] for s in input_specs])], len(input_specs), axis=0)
+        cols = [s.shape[1] for s in input_specs]
+        starts = np.cumsum([0, *cols])
+        return [b.one("Slice", [r, b.ints([int(starts[k])]), b.ints([int(starts[k + 1])]), b.ints([1])])
+                for k, r in enumerate(rows)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDiagonalSplit(Op):
+    """The blocks along a matrix's diagonal (``rows[k]`` × ``cols[k]`` each); inverse of
+    ``block_diagonal``. What lies off the diagonal is not kept."""
+
+    kind: ClassVar[str] = "block_diagonal_split"
+    onnx_unfusable: ClassVar[bool] = True
+    probed: ClassVar[bool] = True
+    outputs_field: ClassVar[str] = "outputs"
+    rows: tuple[int, ...] = ()
+    cols: tuple[int, ...] = ()
+    parts: int = 0
+
+    def output_count(self, specs):
+        return self.parts
+
+    def infer(self, specs, names):
+        spec = specs[0]
+        if len(self.rows) != self.parts or len(self.cols) != self.parts:
+            raise PlanError(f"block_diagonal_split of {names[0]!r}: rows {list(self.rows)} and cols "
+                            f"{list(self.cols)} must name {self.parts} blocks")
+        _non_negative(self.rows + self.cols, names[0])
+        if len(spec.shape) != 2 or (sum(self.rows), sum(self.cols)) != spec.shape:
+            raise PlanError(f"{names[0]!r} has shape {list(spec.shape)}; blocks of rows {list(self.rows)} and "
+                            f"cols {list(self.cols)} need [{sum(self.rows)}, {sum(self.cols)}]")
+        return [TensorSpec(spec.dtype, (r, c)) for r, c in zip(self.rows, self.cols)]
+
+    def apply(self, arrays):
+        a = arrays[0]
+        r0, c0 = np.cumsum([0, *self.rows]), np.cumsum([0, *self.cols])
+        return [np.ascontiguousarray(a[r0[k]:r0[k + 1], c0[k]:c0[k + 1]]) for k in range(self.parts)]
+
+    def inverse(self, specs):
+        return BlockDiagonal()
+
+    def onnx_unfuse(self, b, input_specs, output_specs, fused):
+        cols = sum(self.cols)
+        padded = []
+        start = 0
+        for f, spec in zip(fused, output_specs):
+            pads = [0, start, 0, cols - start - spec.shape[1]]
+            padded.append(b.one("Pad", [f, b.ints(pads)]))
+            start += spec.shape[1]
+        return [b.one("Concat", padded, axis=0)]
+
+
 def _few(array: np.ndarray) -> str:
     flat = array.reshape(-1)
     shown = ", ".join(str(v) for v in flat[:3].tolist())
@@ -647,5 +735,5 @@ def _few(array: np.ndarray) -> str:
 
 LAYOUT_OPS: tuple[type[Op], ...] = (
     Rename, Drop, Concat, Split, Interleave, Deinterleave, Stack, Unstack,
-    Transpose, Reshape, Reorder, RopePermute, MergeEqual, Replicate,
+    Transpose, Reshape, Reorder, RopePermute, MergeEqual, Replicate, BlockDiagonal, BlockDiagonalSplit,
 )

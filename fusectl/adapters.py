@@ -1,0 +1,366 @@
+"""LoRA adapters (PEFT) follow their base through the same rules.
+
+A PEFT LoRA folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with, per
+adapted module ``m``, ``base_model.model.m.lora_A.weight`` [r, in] and ``….lora_B.weight``
+[out, r]; the module's weight changes by ΔW = s · B · A with s = alpha / r (alpha / √r with
+``use_rslora``), r and alpha per module from ``rank_pattern`` / ``alpha_pattern``.
+
+Rules are written for base weights ``m.weight``. :func:`make_adapter_plan` binds them to a
+*base view* of the adapter (one name-and-shape-only ``m.weight`` [out, in] per adapted module),
+then lifts each base step to the adapter through its op (``Op.lift`` with a :class:`LoraLift`):
+
+- rename / drop: A and B renamed / dropped;
+- concat of weights along the output axis: A' = the As stacked along the rank axis, B' = the
+  Bs block-diagonal (rank Σr); when every part has the same A (the adapter came from a fused
+  one), A' = A and B' = the Bs concatenated (rank r);
+- split along the output axis: A copied to every part, B split by rows (exact for any adapter);
+- row permutations (reorder, interleave of one input, deinterleave, rope_permute): on B's rows;
+- along the input axis, the mirror image (A block-diagonal or split by columns, B side by side);
+- transpose: A' = Bᵀ, B' = Aᵀ.
+
+Everything else (numeric folds, stack/unstack of experts, DoRA magnitude vectors) is refused
+naming the rule and the adapter tensor. The scaling is kept exactly: a module whose rank changes
+gets ``rank_pattern`` / ``alpha_pattern`` entries; parts with different scalings are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .config_edit import ConfigEdit
+from .errors import CheckpointError, PlanError, quote
+from .executor import OpaqueTensor, apply_group
+from .ops import Op
+from .ops.layout import BlockDiagonal, Concat, Drop, MergeEqual, Rename, Replicate, Transpose
+from .plan import Plan, Step, StepGroup
+from .planner import make_plan
+from .quantization import moved_ids
+from .rules.schema import RuleSet
+from .table import ParamTable
+from .tensors import TensorSpec
+
+ADAPTER_CONFIG = "adapter_config.json"
+PREFIX = "base_model.model."
+# suffix → (factor, whether the module is an embedding)
+_FACTORS = {".lora_A.weight": ("A", False), ".lora_B.weight": ("B", False),
+            ".lora_embedding_A": ("A", True), ".lora_embedding_B": ("B", True)}
+_DORA = ".lora_magnitude_vector"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """What ``adapter_config.json`` says about ranks and scalings (and its text, kept whole)."""
+
+    r: int
+    alpha: float
+    rank_pattern: dict
+    alpha_pattern: dict
+    use_rslora: bool
+    use_dora: bool
+    raw: dict = field(repr=False)
+    where: str = ""
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> "LoraConfig":
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where}: must be a JSON object")
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise CheckpointError(f"{where}: peft_type is {str(raw.get('peft_type'))[:40]!r}; fusectl lifts LoRA "
+                                  "adapters only")
+        r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
+        patterns = [raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}]
+        if (type(r) is not int or r <= 0 or type(alpha) not in (int, float) or not math.isfinite(alpha)
+                or not all(isinstance(p, dict) for p in patterns)):
+            raise CheckpointError(f"{where}: r must be a positive integer, lora_alpha a number and rank_pattern / "
+                                  "alpha_pattern objects")
+        for pattern, kind in zip(patterns, (int, (int, float))):
+            for key, value in pattern.items():
+                if re.search(r"[\\^$*+?{}\[\]|()]", key) or not isinstance(value, kind) or isinstance(value, bool):
+                    raise CheckpointError(
+                        f"{where}: pattern entry {quote(key[:80])}: {str(value)[:20]} — fusectl matches pattern keys "
+                        "as module names or dotted suffixes (not regular expressions) with numeric values")
+        return cls(r, alpha, patterns[0], patterns[1], bool(raw.get("use_rslora", False)),
+                   bool(raw.get("use_dora", False)), raw, where)
+
+    def rank_of(self, module: str) -> int:
+        return _pattern_value(self.rank_pattern, module, self.r)
+
+    def alpha_of(self, module: str) -> float:
+        return _pattern_value(self.alpha_pattern, module, self.alpha)
+
+    def scaling(self, rank: int, alpha: float) -> float:
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+def _matches(key: str, module: str) -> bool:
+    """PEFT's ``(.*\\.)?(key)$`` for a key without regular-expression syntax."""
+    return module == key or module.endswith("." + key)
+
+
+def _pattern_value(pattern: Mapping, module: str, default):
+    return next((v for k, v in pattern.items() if _matches(k, module)), default)
+
+
+@dataclass
+class LoraModule:
+    """One adapted module: its factors' names in the adapter and its rank and alpha."""
+
+    a: str
+    b: str
+    rank: int
+    alpha: float
+    embedding: bool = False
+
+
+def lora_modules(table: ParamTable, lora: LoraConfig) -> dict[str, LoraModule]:
+    """The adapted modules of an adapter's table, by base module name."""
+    found: dict[tuple[str, bool], dict[str, str]] = {}
+    for name in table.names():
+        if not name.startswith(PREFIX):
+            continue
+        for suffix, (factor, embedding) in _FACTORS.items():
+            if name.endswith(suffix):
+                found.setdefault((name[len(PREFIX):-len(suffix)], embedding), {})[factor] = name
+    modules = {}
+    for (module, embedding), factors in sorted(found.items()):
+        if set(factors) != {"A", "B"} or module in modules:
+            raise CheckpointError(f"{quote(module)}: the adapter does not hold one lora_A and one lora_B for it "
+                                  f"(found {', '.join(sorted(factors.values()))}); it is damaged")
+        modules[module] = LoraModule(factors["A"], factors["B"], lora.rank_of(module), lora.alpha_of(module), embedding)
+    return modules
+
+
+def base_view(table: ParamTable, modules: Mapping[str, LoraModule]) -> ParamTable:
+    """One name-and-shape-only ``m.weight`` per adapted module (linear: [out, in] from B and A;
+    embedding: [num_embeddings, dim])."""
+    view = {}
+    for module, m in modules.items():
+        a, b = table.spec(m.a), table.spec(m.b)
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1]:
+            raise CheckpointError(f"{quote(m.a)} {list(a.shape)} and {quote(m.b)} {list(b.shape)} are not the "
+                                  "[r, in] and [out, r] factors of one LoRA module")
+        shape = (a.shape[1], b.shape[0]) if m.embedding else (b.shape[0], a.shape[1])
+        name = f"{module}.weight"
+        view[name] = OpaqueTensor(TensorSpec(a.dtype, shape), name)
+    return ParamTable.from_stored(view)
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """The steps on the adapter's tensors, the base plan they were lifted from (on ``m.weight``
+    names), and the adapter table the steps make."""
+
+    plan: Plan
+    base: Plan
+    table: ParamTable
+
+
+def make_adapter_plan(table: ParamTable, lora: LoraConfig, config_text: str, rulesets: Sequence[RuleSet],
+                      untie: bool = False, config: Mapping | None = None) -> AdapterPlan:
+    """Bind ``rulesets`` to the adapter's base view and lift each step to A and B; the last group
+    rewrites ``adapter_config.json`` (target_modules, rank_pattern, alpha_pattern)."""
+    modules = lora_modules(table, lora)
+    dora = next((n for n in table.names() if _DORA in n), None)
+    base_plan, _ = make_plan(base_view(table, modules), rulesets, untie=True, config=config)
+    current = table.copy()
+    groups: list[StepGroup] = []
+    for group in base_plan.groups:
+        if not group.steps:
+            continue  # a rules file's [config] edits the base's config.json, not the adapter's
+        steps: list[Step] = []
+        for step in group.steps:
+            lift = LoraLift(step, current, modules, lora, group.describe())
+            if dora is not None:
+                lift.refuse(f"the adapter is DoRA ({dora!r}): its magnitude vectors are per output "
+                            "row of the merged weight, which fusectl does not lift")
+            step.op.lift(lift)
+            steps.extend(lift.steps)
+            for module in lift.consumed:
+                modules.pop(module, None)
+            modules.update(lift.produced)
+        groups.append(apply_group(current, StepGroup(group.rule, group.source, tuple(steps)), untie))
+    edit = _config_edit(lora, config_text, modules)
+    if edit is not None:
+        groups.append(StepGroup("adapter_config", ADAPTER_CONFIG, (), config=edit))
+    return AdapterPlan(Plan(tuple(groups)), base_plan, current)
+
+
+def _config_edit(lora: LoraConfig, text: str, modules: Mapping[str, LoraModule]) -> ConfigEdit | None:
+    """``adapter_config.json`` for the adapted modules after the plan: ``target_modules`` names
+    their leaves, and each module whose rank or alpha the config would not give it gets its own
+    ``rank_pattern`` / ``alpha_pattern`` entry (exact names first: PEFT takes the first match)."""
+    raw = lora.raw
+    leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    sets: dict[str, object] = {}
+    targets = raw.get("target_modules")
+    if isinstance(targets, list):
+        kept = [t for t in targets if t in leaves]
+        new = kept + [leaf for leaf in leaves if leaf not in kept]
+        if new != targets:
+            sets["target_modules"] = new
+    elif targets != leaves:
+        sets["target_modules"] = leaves
+    for key, pattern, default, attr in (("rank_pattern", lora.rank_pattern, lora.r, "rank"),
+                                        ("alpha_pattern", lora.alpha_pattern, lora.alpha, "alpha")):
+        live = {k: v for k, v in pattern.items() if any(_matches(k, m) for m in modules)}
+        exact = {m: getattr(info, attr) for m, info in sorted(modules.items())
+                 if _pattern_value(live, m, default) != getattr(info, attr)}
+        if exact or live != pattern:
+            sets[key] = {**exact, **live}
+    if not sets:
+        return None
+    return ConfigEdit(tuple((k, json.dumps(v)) for k, v in sets.items()), (), text, file=ADAPTER_CONFIG)
+
+
+class LoraLift:
+    """What one base step does to the A and B of the modules it consumes (``Op.lift``)."""
+
+    def __init__(self, step: Step, table: ParamTable, modules: Mapping[str, LoraModule], lora: LoraConfig,
+                 describe: str):
+        self.step, self.table, self.lora, self.describe = step, table, lora, describe
+        self.ndim = len(step.input_specs[0].shape)
+        self.steps: list[Step] = []
+        self.inputs = [_module_of(n, describe) for n in step.inputs]
+        self.outputs = [_module_of(n, describe) for n in step.outputs]
+        self.parts = [modules[m] for m in self.inputs]
+        self.consumed = list(self.inputs)
+        self.produced: dict[str, LoraModule] = {}
+
+    # --- what an op may say --------------------------------------------------------------
+
+    def refuse(self, why: str) -> None:
+        raise PlanError(f"{self.describe}: cannot lift its {self.step.op.kind} step to the adapter's "
+                        f"{self.parts[0].b!r}: {why}")
+
+    def rename(self) -> None:
+        for module, part, out in zip(self.inputs, self.parts, self.outputs):
+            self._move(Rename(), [part.a], [out], "A")
+            self._move(Rename(), [part.b], [out], "B")
+            self.produced[out] = LoraModule(_name(out, "A", part), _name(out, "B", part), part.rank, part.alpha,
+                                            part.embedding)
+
+    def drop(self) -> None:
+        for part in self.parts:
+            self._move(Drop(), [part.a], [], "A")
+            self._move(Drop(), [part.b], [], "B")
+
+    def along(self, axis: int, make: Callable[[list[int], list[int]], Op]) -> None:
+        if any(p.embedding for p in self.parts):
+            self.refuse("an embedding's LoRA moves only by rename or drop")
+        if self.ndim != 2 or axis not in (0, 1):
+            self.refuse(f"LoRA factors follow a matrix along its rows or columns, not axis {axis} of "
+                        f"{self.ndim} dimensions")
+        rows = axis == 0
+        # the factor that moves with the weight's slabs (B for rows, A for columns), and the other
+        moving, other = ("B", "A") if rows else ("A", "B")
+        scale = self._common_scaling()
+        n_in, n_out = len(self.parts), len(self.outputs)
+        lengths = [s.shape[axis] for s in self.step.input_specs]
+        out_lengths = [s.shape[axis] for s in self.step.output_specs]
+        op = make(lengths, out_lengths)
+        if n_in == 1:
+            part = self.parts[0]
+            self._move(op, [_factor(part, moving)], self.outputs, moving)
+            shared = Replicate(parts=n_out) if n_out > 1 else Rename()
+            self._move(shared, [_factor(part, other)], self.outputs, other)
+            for out in self.outputs:
+                self.produced[out] = LoraModule(_name(out, "A", part), _name(out, "B", part), part.rank, part.alpha)
+            return
+        if n_out != 1:
+            self.refuse(f"it maps {n_in} weights to {n_out}")
+        out = self.outputs[0]
+        others = [_factor(p, other) for p in self.parts]
+        if self._all_equal(others):  # one shared A (B for columns): the moving factors take the op
+            self._move(op, [_factor(p, moving) for p in self.parts], [out], moving)
+            self._move(MergeEqual(), others, [out], other)
+            rank, alpha = self.parts[0].rank, self.parts[0].alpha
+        else:
+            order = moved_ids(self.step.op, lengths, axis, self.ndim)[0].reshape(-1)
+            if order.tolist() != list(range(sum(lengths))):
+                self.refuse(f"its parts have different {other} factors, and it does more than concatenate "
+                            f"them; fusectl lifts that only for a plain concat")
+            # ΔW' = B' A' with the other factors side by side along the rank axis, the moving
+            # ones block-diagonal: each part's rows (columns) see only its own rank slice
+            self._move(BlockDiagonal(), [_factor(p, moving) for p in self.parts], [out], moving)
+            self._move(Concat(axis=0 if rows else 1), others, [out], other)
+            rank = sum(p.rank for p in self.parts)
+            alpha = scale * (math.sqrt(rank) if self.lora.use_rslora else rank)
+            alpha = int(alpha) if float(alpha).is_integer() else alpha
+        self.produced[out] = LoraModule(_name(out, "A", self.parts[0]), _name(out, "B", self.parts[0]), rank, alpha)
+
+    def stack(self, axis: int) -> None:
+        self.refuse("stacking experts is not lifted to adapters yet")
+
+    def unstack(self, axis: int) -> None:
+        self.refuse("unstacking experts is not lifted to adapters yet")
+
+    def reshape(self) -> None:
+        self.refuse("a reshape does not keep a low-rank factorisation")
+
+    def transpose(self, perm: Sequence[int]) -> None:
+        if tuple(perm) != (1, 0) or any(p.embedding for p in self.parts):
+            self.refuse(f"only a matrix transpose is lifted (perm {list(perm)})")
+        part, out = self.parts[0], self.outputs[0]
+        # (s B A)ᵀ = s Aᵀ Bᵀ: the transposed B is the new A, the transposed A the new B
+        self._step(Transpose(perm=(1, 0)), [part.b], [_name(out, "A", part)])
+        self._step(Transpose(perm=(1, 0)), [part.a], [_name(out, "B", part)])
+        self.produced[out] = LoraModule(_name(out, "A", part), _name(out, "B", part), part.rank, part.alpha)
+
+    # --- mechanics ------------------------------------------------------------------------
+
+    def _common_scaling(self) -> float:
+        scalings = [self.lora.scaling(p.rank, p.alpha) for p in self.parts]
+        if len(set(scalings)) > 1:
+            detail = ", ".join(f"{m} {s:g} (r={p.rank}, alpha={p.alpha:g})"
+                               for m, p, s in zip(self.inputs, self.parts, scalings))
+            self.refuse(f"the parts' scalings differ ({detail}); one module has one scaling, so B would have to "
+                        "be rescaled, which is not exact — fusectl does not do it")
+        return scalings[0]
+
+    def _all_equal(self, names: Sequence[str]) -> bool:
+        specs = {self.table.spec(n) for n in names}
+        if len(specs) > 1:
+            return False
+        first = self.table[names[0]].read().tobytes()
+        return all(self.table[n].read().tobytes() == first for n in names[1:])
+
+    def _move(self, op: Op, inputs: Sequence[str], modules: Sequence[str], factor: str) -> None:
+        outputs = [_name(m, factor, self.parts[0]) for m in modules]
+        if op.renames and list(inputs) == outputs:
+            return  # the factor stays where it is (a row permutation done in place)
+        self._step(op, inputs, outputs)
+
+    def _step(self, op: Op, inputs: Sequence[str], outputs: Sequence[str]) -> None:
+        specs = tuple(self.table.spec(n) for n in inputs)
+        try:
+            out_specs = tuple(op.infer(specs, list(inputs)))
+        except PlanError as e:
+            self.refuse(str(e))
+        self.steps.append(Step(op, tuple(inputs), tuple(outputs), specs, out_specs))
+
+
+def _module_of(weight: str, describe: str) -> str:
+    if not weight.endswith(".weight"):
+        raise PlanError(f"{describe}: {weight!r} is not a module's weight; an adapter's rules must map "
+                        "m.weight to m'.weight")
+    return weight[: -len(".weight")]
+
+
+def _factor(part: LoraModule, factor: str) -> str:
+    return part.a if factor == "A" else part.b
+
+
+def _name(module: str, factor: str, like: LoraModule) -> str:
+    """The adapter tensor of ``module``'s factor, spelled as ``like``'s (linear or embedding)."""
+    suffix = f".lora_embedding_{factor}" if like.embedding else f".lora_{factor}.weight"
+    return PREFIX + module + suffix
