@@ -231,10 +231,15 @@ class LoraLift:
         self.ndim = len(step.input_specs[0].shape)
         self.steps: list[Step] = []
         self.inputs = [_module_of(n, describe) for n in step.inputs]
-        self.outputs = [_module_of(n, describe) for n in step.outputs]
         self.parts = [modules[m] for m in self.inputs]
         self.consumed = list(self.inputs)
         self.produced: dict[str, LoraModule] = {}
+
+    @property
+    def outputs(self) -> list[str]:
+        """The modules the step's outputs are the weights of (asked only by steps that keep
+        the factorisation: a fold's outputs need not be weights)."""
+        return [_module_of(n, self.describe) for n in self.step.outputs]
 
     # --- what an op may say --------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from .errors import PlanError
 from .executor import run_plan
 from .adapters import ADAPTER_CONFIG, LoraConfig, make_adapter_plan
 from .config_edit import resolve_edits
-from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text
+from .io.checkpoint import Checkpoint, Companion, adapter_config, open_checkpoint, read_config_text
 from .io.output import output_kind
 from .plan import Plan
 from .planner import make_plan
@@ -108,11 +108,6 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
     lifted = make_adapter_plan(table, LoraConfig.parse(text, where), text, rulesets, untie, checkpoint.config)
     return Planned(checkpoint, table, lifted.plan, lifted.table, lifted.base)
 
-
-def adapter_config(checkpoint: Checkpoint) -> tuple[str, str] | None:
-    """(path, text) of a LoRA adapter folder's ``adapter_config.json``; None for other checkpoints."""
-    found = next((c for c in checkpoint.companions if c.relative == ADAPTER_CONFIG and not c.is_dir), None)
-    return (found.source, read_config_text(found.source)) if found else None
 
 
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
@@ -263,7 +258,7 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     """Prove ``candidate`` computes what ``reference`` computes: two ``.onnx`` models run on
     onnxruntime, or two checkpoints compared through the candidate's provenance (or ``rules``).
     A :class:`~fusectl.verify.report.VerifyReport`; ``.passed`` says whether it did."""
-    from .verify.checkpoint_check import plan_for, verify_checkpoints
+    from .verify.checkpoint_check import lora_base_for, plan_for, verify_checkpoints
     from .verify.model_check import verify_models
 
     def is_graph(path) -> bool:
@@ -274,5 +269,6 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
                              inputs=inputs or {}, shapes=shapes or {}, dims=dims or {}, seed=seed)
     ref = _checkpoint(reference, config, follow_symlinks)
     cand = _checkpoint(candidate, config, follow_symlinks)
-    return verify_checkpoints(ref, cand, plan_for(cand, load_rulesets(ref, rules), ref), provider=provider,
-                              atol=atol, rtol=rtol, seed=seed)
+    rulesets = load_rulesets(ref, rules)
+    return verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider, atol=atol, rtol=rtol,
+                              seed=seed, lora_base=lora_base_for(cand, rulesets, ref))

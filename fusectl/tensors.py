@@ -96,3 +96,14 @@ class FileTensor(LazyTensor):
 
     def read(self) -> np.ndarray:
         return read_ranges((self.location,), self.spec)
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayTensor(LazyTensor):
+    """A tensor computed in memory (verify's ΔW of a LoRA module): its array is its data."""
+
+    spec: TensorSpec
+    array: np.ndarray
+
+    def read(self) -> np.ndarray:
+        return self.array.copy()

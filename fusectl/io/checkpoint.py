@@ -300,6 +300,12 @@ def _read_json_bytes(path: str, what: str) -> bytes:
     return raw
 
 
+def adapter_config(checkpoint: Checkpoint) -> tuple[str, str] | None:
+    """(path, text) of a PEFT adapter folder's ``adapter_config.json``; None for other checkpoints."""
+    found = next((c for c in checkpoint.companions if c.relative == "adapter_config.json" and not c.is_dir), None)
+    return (found.source, read_config_text(found.source)) if found else None
+
+
 def read_config_text(path: str) -> str:
     """The text of a config.json (as read for ``config:`` variables), for [config] edits."""
     try:

@@ -16,13 +16,15 @@ import numpy as np
 
 from ..errors import PlanError, VerifyError
 from ..executor import Evaluation, is_exact, run_plan
-from ..io.checkpoint import Checkpoint
+from ..adapters import LoraConfig, make_adapter_plan
+from ..io.checkpoint import Checkpoint, adapter_config
 from ..plan import Plan
 from ..planner import make_plan
 from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
 from .compare import check_tolerance, compare
 from ..quantization import scheme_from
+from .adapter_probes import adapter_probes
 from .probes import run_probes
 from .report import Check, VerifyReport
 from .runner import check_seed
@@ -103,6 +105,7 @@ def verify_checkpoints(
     atol: float | None = None,
     rtol: float | None = None,
     seed: int = 0,
+    lora_base: Plan | None = None,
 ) -> VerifyReport:
     """Check that ``candidate`` is ``plan`` applied to ``reference`` (see the module doc)."""
     atol = None if atol is None else check_tolerance("atol", atol)
@@ -131,12 +134,35 @@ def verify_checkpoints(
                                       scheme_from(reference.config))
     report.provider = chosen
     report.checks += probe_checks
+    if lora_base is not None:
+        report.checks += adapter_probes(lora_base, reference, candidate, chosen, seed, atol, rtol)
     return report
+
+
+def lora_base_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -> Plan | None:
+    """For LoRA adapters, the base plan their steps were lifted from (for the ΔW probes)."""
+    adapter = adapter_config(reference)
+    if adapter is None or adapter_config(candidate) is None:
+        return None
+    if rulesets:
+        where, text = adapter
+        return make_adapter_plan(reference.table, LoraConfig.parse(text, where), text, rulesets, untie=True,
+                                 config=reference.config).base
+    base = candidate.provenance.lora_base if candidate.provenance else None
+    done = reference.provenance.lora_base if reference.provenance else None
+    if base is not None and done is not None and base.groups[:len(done.groups)] == done.groups:
+        return Plan(base.groups[len(done.groups):])
+    return base
 
 
 def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -> Plan:
     """The plan to check: the candidate's provenance, or the rules given with -r."""
     if rulesets:
+        adapter = adapter_config(reference)
+        if adapter is not None:
+            where, text = adapter
+            return make_adapter_plan(reference.table, LoraConfig.parse(text, where), text, rulesets, untie=True,
+                                     config=reference.config).plan
         plan, _ = make_plan(reference.table, rulesets, untie=True, config=reference.config)
         return plan
     if candidate.provenance is None or not candidate.provenance.plan.groups:
