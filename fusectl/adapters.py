@@ -67,13 +67,8 @@ class LoraConfig:
     where: str = ""
 
     @classmethod
-    def parse(cls, text: str, where: str) -> "LoraConfig":
-        try:
-            raw = json.loads(text)
-        except ValueError as e:
-            raise CheckpointError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{where}: must be a JSON object")
+    def parse(cls, raw: dict, where: str) -> "LoraConfig":
+        """From ``adapter_config.json`` as parsed (``io.checkpoint.adapter_config``)."""
         if raw.get("peft_type", "LORA") != "LORA":
             raise CheckpointError(f"{where}: peft_type is {str(raw.get('peft_type'))[:40]!r}; fusectl lifts LoRA "
                                   "adapters only")

@@ -104,8 +104,8 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
     if adapter is None:
         steps, result = make_plan(table, rulesets, untie, checkpoint.config)
         return Planned(checkpoint, table, steps, result)
-    where, text = adapter
-    lifted = make_adapter_plan(table, LoraConfig.parse(text, where), text, rulesets, untie, checkpoint.config)
+    where, text, raw = adapter
+    lifted = make_adapter_plan(table, LoraConfig.parse(raw, where), text, rulesets, untie, checkpoint.config)
     return Planned(checkpoint, table, lifted.plan, lifted.table, lifted.base)
 
 

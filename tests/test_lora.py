@@ -201,6 +201,12 @@ def test_a_dora_adapter_is_refused(cli, tmp_path, copy_fixture):
             "DoRA", "lora_magnitude_vector")
 
 
+def test_a_hostile_adapter_config_is_refused_within_the_json_budgets(cli, tmp_path, copy_fixture):
+    folder = copy_fixture("lora/llama-lora", "lora")
+    (folder / "adapter_config.json").write_text('{"r": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    refused(cli("plan", folder, "--config", LLAMA_CONFIG, "-r", "llama-qkv"), "adapter_config.json")
+
+
 @pytest.mark.parametrize("edit,needle", [
     ({"r": 0}, "positive integer"),
     ({"rank_pattern": {"v_pr(o)+j": 2}}, "regular expressions"),

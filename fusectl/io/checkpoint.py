@@ -300,10 +300,17 @@ def _read_json_bytes(path: str, what: str) -> bytes:
     return raw
 
 
-def adapter_config(checkpoint: Checkpoint) -> tuple[str, str] | None:
-    """(path, text) of a PEFT adapter folder's ``adapter_config.json``; None for other checkpoints."""
+def adapter_config(checkpoint: Checkpoint) -> tuple[str, str, dict] | None:
+    """(path, text, parsed object) of a PEFT adapter folder's ``adapter_config.json`` (parsed
+    within the JSON budgets); None for other checkpoints."""
     found = next((c for c in checkpoint.companions if c.relative == "adapter_config.json" and not c.is_dir), None)
-    return (found.source, read_config_text(found.source)) if found else None
+    if found is None:
+        return None
+    text = read_config_text(found.source)
+    raw = load_json(text, found.source, "the adapter config")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{found.source}: the adapter config must be a JSON object")
+    return found.source, text, raw
 
 
 def read_config_text(path: str) -> str:

@@ -28,7 +28,7 @@ def adapter_probes(base: Plan, reference: Checkpoint, candidate: Checkpoint, pro
                    atol: float | None, rtol: float | None) -> list[Check]:
     """One probe per base step whose outputs the candidate holds (every module, not once per
     shape: the modules' updates differ, and each is a few small matrix products)."""
-    ref_lora, cand_lora = (LoraConfig.parse(text, where) for where, text in
+    ref_lora, cand_lora = (LoraConfig.parse(raw, where) for where, _, raw in
                            (adapter_config(reference), adapter_config(candidate)))
     ref_modules = lora_modules(reference.table, ref_lora)
     cand_modules = lora_modules(candidate.table, cand_lora)

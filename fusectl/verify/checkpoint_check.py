@@ -145,8 +145,8 @@ def lora_base_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoi
     if adapter is None or adapter_config(candidate) is None:
         return None
     if rulesets:
-        where, text = adapter
-        return make_adapter_plan(reference.table, LoraConfig.parse(text, where), text, rulesets, untie=True,
+        where, text, raw = adapter
+        return make_adapter_plan(reference.table, LoraConfig.parse(raw, where), text, rulesets, untie=True,
                                  config=reference.config).base
     base = candidate.provenance.lora_base if candidate.provenance else None
     done = reference.provenance.lora_base if reference.provenance else None
@@ -160,8 +160,8 @@ def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -
     if rulesets:
         adapter = adapter_config(reference)
         if adapter is not None:
-            where, text = adapter
-            return make_adapter_plan(reference.table, LoraConfig.parse(text, where), text, rulesets, untie=True,
+            where, text, raw = adapter
+            return make_adapter_plan(reference.table, LoraConfig.parse(raw, where), text, rulesets, untie=True,
                                      config=reference.config).plan
         plan, _ = make_plan(reference.table, rulesets, untie=True, config=reference.config)
         return plan
