@@ -230,3 +230,12 @@ def test_a_base_and_its_adapter_fused_with_one_rules_list(cli, tmp_path):
     for name in adapter:
         module = name[len("base_model.model."):].rsplit(".lora_", 1)[0]
         assert f"{module}.weight" in base, module
+
+
+def test_an_adapter_saved_as_bin_lifts_like_its_safetensors_twin(cli, tmp_path):
+    """peft's save_pretrained(safe_serialization=False) writes adapter_model.bin (torch.save),
+    read without torch; the output is adapter_model.safetensors, as peft prefers."""
+    fuse(cli, LORA / "llama-lora-bin", tmp_path / "from-bin", "llama-qkv", "llama-gate-up")
+    fuse(cli, LORA / "llama-lora", tmp_path / "from-st", "llama-qkv", "llama-gate-up")
+    assert (tmp_path / "from-bin" / "adapter_model.safetensors").exists()
+    assert load_checkpoint_raw(tmp_path / "from-bin") == load_checkpoint_raw(tmp_path / "from-st")
