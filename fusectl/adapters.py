@@ -135,6 +135,16 @@ def lora_modules(table: ParamTable, lora: LoraConfig) -> dict[str, LoraModule]:
     return modules
 
 
+def adapter_report(table: ParamTable, lora: LoraConfig) -> dict:
+    """The adapted modules with their factors, rank, alpha and scaling (for ``inspect --json``)."""
+    return {
+        "r": lora.r, "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora, "use_dora": lora.use_dora,
+        "modules": {m: {"lora_A": info.a, "lora_B": info.b, "rank": info.rank, "alpha": info.alpha,
+                        "scaling": lora.scaling(info.rank, info.alpha)}
+                    for m, info in lora_modules(table, lora).items()},
+    }
+
+
 def base_view(table: ParamTable, modules: Mapping[str, LoraModule]) -> ParamTable:
     """One name-and-shape-only ``m.weight`` per adapted module (linear: [out, in] from B and A;
     embedding: [num_embeddings, dim])."""

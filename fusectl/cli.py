@@ -15,7 +15,8 @@ import click
 
 from . import __version__, api
 from .errors import FusectlError, OutputError, printable
-from .io.checkpoint import Checkpoint, open_checkpoint, takes_key
+from .adapters import LoraConfig, adapter_report
+from .io.checkpoint import Checkpoint, adapter_config, open_checkpoint, takes_key
 from .io.provenance import plan_to_json
 from .plan import Plan
 from .quantization import quantization_report, scale_names
@@ -236,6 +237,7 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         "state_dict_key": c.state_dict_key,
         "ignored": c.ignored,
         "quantization": quantization_report(c.table, c.config),
+        "adapter": _adapter_report(c),
     }
     if detect:
         known = {tuple(g) for g in c.table.ties()}
@@ -262,6 +264,12 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     if report.get("constant_groups_skipped"):
         click.echo(f"not suspected: {report['constant_groups_skipped']} group(s) of equal tensors whose "
                    "elements are all one value (all-ones norms, zero biases), which are equal by chance")
+    adapter = report["adapter"]
+    if adapter:
+        ranks = sorted({m["rank"] for m in adapter["modules"].values()})
+        scalings = sorted({m["scaling"] for m in adapter["modules"].values()})
+        click.echo(f"LoRA adapter: {len(adapter['modules'])} module(s), rank {', '.join(map(str, ranks))}, "
+                   f"scaling {', '.join(f'{s:g}' for s in scalings)}")
     quantized = report["quantization"]
     if quantized:
         kinds = sorted({s["kind"] for scales in quantized["weights"].values() for s in scales})
@@ -270,6 +278,14 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     if c.provenance:
         click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
                    f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
+
+
+def _adapter_report(c: Checkpoint) -> dict | None:
+    adapter = adapter_config(c)
+    if adapter is None:
+        return None
+    where, _, raw = adapter
+    return adapter_report(c.table, LoraConfig.parse(raw, where))
 
 
 def _block_text(quantized: dict) -> str:

@@ -239,3 +239,15 @@ def test_an_adapter_saved_as_bin_lifts_like_its_safetensors_twin(cli, tmp_path):
     fuse(cli, LORA / "llama-lora", tmp_path / "from-st", "llama-qkv", "llama-gate-up")
     assert (tmp_path / "from-bin" / "adapter_model.safetensors").exists()
     assert load_checkpoint_raw(tmp_path / "from-bin") == load_checkpoint_raw(tmp_path / "from-st")
+
+
+def test_inspect_reports_the_adapters_modules_ranks_and_scalings(cli):
+    report = ok(cli("inspect", LORA / "llama-lora", "--json")).json()["adapter"]
+    assert report["r"] == 4 and report["lora_alpha"] == 8
+    v = report["modules"]["model.layers.0.self_attn.v_proj"]
+    assert (v["rank"], v["alpha"], v["scaling"]) == (2, 4, 2.0)
+    assert v["lora_A"] == f"{P}.self_attn.v_proj.lora_A.weight"
+    assert len(report["modules"]) == 14
+    text = ok(cli("inspect", LORA / "llama-lora")).stdout
+    assert "LoRA adapter: 14 module(s), rank 2, 4, scaling 2" in text
+    assert ok(cli("inspect", LORA / "llama-base", "--json")).json()["adapter"] is None
