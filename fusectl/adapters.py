@@ -74,16 +74,25 @@ class LoraConfig:
                                   "adapters only")
         r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)
         patterns = [raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}]
-        if (type(r) is not int or r <= 0 or type(alpha) not in (int, float) or not math.isfinite(alpha)
+        if (type(r) is not int or r <= 0 or type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0
                 or not all(isinstance(p, dict) for p in patterns)):
             raise CheckpointError(f"{where}: r must be a positive integer, lora_alpha a number and rank_pattern / "
                                   "alpha_pattern objects")
+        if raw.get("fan_in_fan_out"):
+            raise CheckpointError(f"{where}: fan_in_fan_out adapters (GPT-2 Conv1D layers, weights stored [in, out]) "
+                                  "are not lifted by fusectl yet")
+        if raw.get("lora_bias"):
+            raise CheckpointError(f"{where}: lora_bias adapters (a bias on lora_B) are not lifted by fusectl yet")
+        for flag in ("use_rslora", "use_dora"):
+            if type(raw.get(flag, False)) is not bool:
+                raise CheckpointError(f"{where}: {flag} must be true or false")
         for pattern, kind in zip(patterns, (int, (int, float))):
             for key, value in pattern.items():
-                if re.search(r"[\\^$*+?{}\[\]|()]", key) or not isinstance(value, kind) or isinstance(value, bool):
+                if (re.search(r"[\\^$*+?{}\[\]|()]", key) or not isinstance(value, kind) or isinstance(value, bool)
+                        or not math.isfinite(value) or value <= 0):
                     raise CheckpointError(
                         f"{where}: pattern entry {quote(key[:80])}: {str(value)[:20]} — fusectl matches pattern keys "
-                        "as module names or dotted suffixes (not regular expressions) with numeric values")
+                        "as module names or dotted suffixes (not regular expressions), with positive numeric values")
         return cls(r, alpha, patterns[0], patterns[1], bool(raw.get("use_rslora", False)),
                    bool(raw.get("use_dora", False)), raw, where)
 
@@ -131,7 +140,15 @@ def lora_modules(table: ParamTable, lora: LoraConfig) -> dict[str, LoraModule]:
         if set(factors) != {"A", "B"} or module in modules:
             raise CheckpointError(f"{quote(module)}: the adapter does not hold one lora_A and one lora_B for it "
                                   f"(found {', '.join(sorted(factors.values()))}); it is damaged")
-        modules[module] = LoraModule(factors["A"], factors["B"], lora.rank_of(module), lora.alpha_of(module), embedding)
+        rank = lora.rank_of(module)
+        if len(table.spec(factors["A"]).shape) != 2 or table.spec(factors["A"]).shape[0] != rank:
+            raise CheckpointError(f"{lora.where}: the config gives {quote(module)} rank {rank}, but {quote(factors['A'])} "
+                                  f"has shape {list(table.spec(factors['A']).shape)}; the adapter and its config disagree")
+        modules[module] = LoraModule(factors["A"], factors["B"], rank, lora.alpha_of(module), embedding)
+    stray = [n for n in table.names() if n.startswith(PREFIX) and not n.endswith(tuple(_FACTORS)) and _DORA not in n]
+    if stray:
+        raise CheckpointError(f"{quote(stray[0])}: an adapter tensor fusectl does not know how to move (it lifts "
+                              "lora_A and lora_B); the rules would leave it behind")
     return modules
 
 
@@ -305,6 +322,8 @@ class LoraLift:
             self._move(Concat(axis=0 if rows else 1), others, [out], other)
             rank = sum(p.rank for p in self.parts)
             alpha = scale * (math.sqrt(rank) if self.lora.use_rslora else rank)
+            if not math.isfinite(alpha):
+                self.refuse(f"the fused module's alpha ({scale:g} × rank {rank}) is not a finite number")
             alpha = int(alpha) if float(alpha).is_integer() else alpha
         self.produced[out] = LoraModule(_name(out, "A", self.parts[0]), _name(out, "B", self.parts[0]), rank, alpha)
 

@@ -155,7 +155,12 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
                         f"are recorded but no {file} is written; write a folder to get it")
             continue
         companions = [c for c in companions if c.relative != file]
-        companions.append(Companion(where, file, content=final.encode("utf-8")))
+        try:
+            content = final.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PlanError(f"{where}: the {file} to write holds a lone surrogate escape; it is not text a "
+                            "loader reads. Fix the file (or the provenance that recorded it)") from None
+        companions.append(Companion(where, file, content=content))
     return plan, companions
 
 

@@ -55,7 +55,7 @@ class ConfigEdit:
                 node.pop(leaf, None)
         for key, value in self.sets:
             config[key] = json.loads(value)
-        return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        return json.dumps(config, indent=2, ensure_ascii=True) + "\n"
 
     def inverse(self) -> "ConfigEdit":
         if self.before is None:

@@ -35,7 +35,7 @@ from .tensors import TensorSpec
 ROLES = ("weight_scale_inv", "weight_scale", "input_scale")
 
 # leaves of tensors that are scales, zero points or packed blocks of a quantized weight
-_SCALE_LIKE = re.compile(r"(^|_)(scale|scales|scale_inv|zero_point|zeros|qzeros|qweight|g_idx|blocks)$")
+_SCALE_LIKE = re.compile(r"(^|_)(scale|scales|scale_inv|zero_point|zeros|qzeros|qweight|g_idx|blocks)(_\d+)?$")
 
 
 def scale_name(weight: str, role: str) -> str:

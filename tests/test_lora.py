@@ -251,3 +251,28 @@ def test_inspect_reports_the_adapters_modules_ranks_and_scalings(cli):
     text = ok(cli("inspect", LORA / "llama-lora")).stdout
     assert "LoRA adapter: 14 module(s), rank 2, 4, scaling 2" in text
     assert ok(cli("inspect", LORA / "llama-base", "--json")).json()["adapter"] is None
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"rank_pattern": {"q_proj": 0}}, "positive numeric"),
+    ({"alpha_pattern": {"v_proj": -2}}, "positive numeric"),
+    ({"rank_pattern": {"v_proj": 3}}, "disagree"),
+    ({"fan_in_fan_out": True}, "fan_in_fan_out"),
+    ({"lora_bias": True}, "lora_bias"),
+    ({"use_rslora": "false"}, "true or false"),
+])
+def test_adapter_configs_fusectl_cannot_lift_exactly_are_refused(cli, tmp_path, copy_fixture, edit, needle):
+    folder = copy_fixture("lora/llama-lora", "lora")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(edit)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    refused(cli("fuse", folder, "--config", LLAMA_CONFIG, "-r", "llama-qkv", "-o", tmp_path / "out"), needle,
+            unwritten=[tmp_path / "out"])
+
+
+def test_a_huge_alpha_that_would_overflow_is_refused(cli, tmp_path, copy_fixture):
+    folder = copy_fixture("lora/llama-lora", "lora")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update({"lora_alpha": 1.7e308, "alpha_pattern": {"v_proj": 0.85e308}})
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    refused(cli("fuse", folder, "--config", LLAMA_CONFIG, "-r", "llama-qkv", "-o", tmp_path / "out"), "finite")

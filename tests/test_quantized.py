@@ -536,3 +536,23 @@ def test_a_malformed_config_record_in_the_provenance_is_refused(cli, tmp_path, r
     meta["fusectl"] = json.dumps(provenance)
     write_safetensors(out / "model.safetensors", tensors, meta)
     refused(cli("unfuse", out, "-o", tmp_path / "back"), "config", unwritten=[tmp_path / "back"])
+
+
+def test_a_numbered_scale_companion_stops_the_rule(cli, tmp_path, copy_fixture):
+    """NVFP4 / ModelOpt write a second scale, weight_scale_2: not known, so not left behind."""
+    name = f"{ATTN}.k_proj.weight_scale_2"
+    folder = _with_extra(copy_fixture, name, np.ones((1,), np.float32))
+    refused(cli("fuse", folder, "-r", "llama-qkv", "-o", tmp_path / "out"), name)
+
+
+def test_a_negative_axis_moves_per_channel_scales_like_axis_0(cli, tmp_path):
+    f8 = ml_dtypes.float8_e4m3fn
+    rng = np.random.default_rng(1)
+    tensors = {"a.weight": rng.standard_normal((8, 4)).astype(f8), "a.weight_scale": rng.random(8).astype(np.float32),
+               "b.weight": rng.standard_normal((4, 4)).astype(f8), "b.weight_scale": rng.random(4).astype(np.float32)}
+    path = write_safetensors(tmp_path / "m.safetensors", tensors)
+    rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nop = "concat"\ninputs = ["a.weight", "b.weight"]\n'
+                        'output = "ab.weight"\naxis = -2\n')
+    ok(cli("fuse", path, "-r", rules, "-o", tmp_path / "out.safetensors"))
+    got = raw(tmp_path / "out.safetensors")["ab.weight_scale"]
+    assert got[1] == [12] and got[2] == tensors["a.weight_scale"].tobytes() + tensors["b.weight_scale"].tobytes()

@@ -154,7 +154,8 @@ class Concat(RowMover, Op):
         return b.node("Split", [fused[0], b.ints(sizes)], len(input_specs), axis=axis)
 
     def lift(self, lift):
-        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Concat(axis=self.axis))
+        axis = self.op_axis(lift.ndim)  # the scale may have fewer axes: a normalized axis
+        lift.along(axis, lambda in_lengths, out_lengths: Concat(axis=axis))
 
     def byte_ranges(self, ranges, specs, index):
         if not leading_ones(specs[0].shape, self.op_axis(len(specs[0].shape))):
@@ -207,8 +208,8 @@ class Split(RowMover, Op):
         return [b.one("Concat", fused, axis=self.op_axis(len(input_specs[0].shape)))]
 
     def lift(self, lift):
-        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Split(
-            axis=self.axis, sizes=tuple(out_lengths), parts=self.parts))
+        axis = self.op_axis(lift.ndim)
+        lift.along(axis, lambda in_lengths, out_lengths: Split(axis=axis, sizes=tuple(out_lengths), parts=self.parts))
 
     def byte_ranges(self, ranges, specs, index):
         spec = specs[0]
@@ -251,8 +252,8 @@ class Interleave(RowMover, Op):
                             sizes=tuple(s.shape[axis] for s in specs), parts=len(specs))
 
     def lift(self, lift):
-        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Interleave(
-            axis=self.axis, groups=self.groups))
+        axis = self.op_axis(lift.ndim)
+        lift.along(axis, lambda in_lengths, out_lengths: Interleave(axis=axis, groups=self.groups))
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
@@ -300,8 +301,9 @@ class Deinterleave(RowMover, Op):
         return Interleave(axis=self.axis, groups=self.groups)
 
     def lift(self, lift):
-        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: Deinterleave(
-            axis=self.axis, groups=self.groups, sizes=tuple(out_lengths), parts=self.parts))
+        axis = self.op_axis(lift.ndim)
+        lift.along(axis, lambda in_lengths, out_lengths: Deinterleave(
+            axis=axis, groups=self.groups, sizes=tuple(out_lengths), parts=self.parts))
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
@@ -497,7 +499,8 @@ class Reorder(RowMover, Op):
                        order=tuple(int(k) for k in np.argsort(self.order)))
 
     def lift(self, lift):
-        lift.along(self.op_axis(lift.ndim), lambda in_lengths, out_lengths: self)
+        axis = self.op_axis(lift.ndim)
+        lift.along(axis, lambda in_lengths, out_lengths: dataclasses.replace(self, axis=axis))
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
