@@ -145,7 +145,9 @@ def lora_modules(table: ParamTable, lora: LoraConfig) -> dict[str, LoraModule]:
             raise CheckpointError(f"{lora.where}: the config gives {quote(module)} rank {rank}, but {quote(factors['A'])} "
                                   f"has shape {list(table.spec(factors['A']).shape)}; the adapter and its config disagree")
         modules[module] = LoraModule(factors["A"], factors["B"], rank, lora.alpha_of(module), embedding)
-    stray = [n for n in table.names() if n.startswith(PREFIX) and not n.endswith(tuple(_FACTORS)) and _DORA not in n]
+    # a LoRA tensor beside A and B (lora_B.bias) would be left behind; whole weights saved with
+    # the adapter (modules_to_save) are not lifted and pass through as they are
+    stray = [n for n in table.names() if ".lora_" in n and not n.endswith(tuple(_FACTORS)) and _DORA not in n]
     if stray:
         raise CheckpointError(f"{quote(stray[0])}: an adapter tensor fusectl does not know how to move (it lifts "
                               "lora_A and lora_B); the rules would leave it behind")
