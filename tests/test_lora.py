@@ -9,12 +9,11 @@ loads the results with transformers + peft where those are installed.
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, array_of, load_checkpoint_raw, ok, refused, write_rules, write_safetensors
+from conftest import FIXTURES, array_of, load_checkpoint_raw, metadata_of, ok, refused, write_rules, write_safetensors
 
 LORA = FIXTURES / "lora"
 P = "base_model.model.model.layers.0"
@@ -99,8 +98,7 @@ def test_verify_passes_a_lifted_adapter_and_catches_one_changed_element_of_b(cli
     name = f"{P}.self_attn.qkv_proj.lora_B.weight"
     t[name] = t[name].copy()
     t[name][40, 5] += 0.25
-    meta = json.loads((out / "adapter_model.safetensors").read_bytes()[8:8 + int.from_bytes(
-        (out / "adapter_model.safetensors").read_bytes()[:8], "little")])["__metadata__"]
+    meta = metadata_of(out)
     write_safetensors(out / "adapter_model.safetensors", t, meta)
     result = cli("verify", LORA / "llama-lora", out)
     assert result.exit_code == 1, result.output
@@ -198,7 +196,7 @@ def test_a_dora_adapter_is_refused(cli, tmp_path, copy_fixture):
     t[f"{P}.self_attn.q_proj.lora_magnitude_vector"] = np.ones(32, np.float32)
     write_safetensors(folder / "adapter_model.safetensors", t, {"format": "pt"})
     refused(cli("fuse", folder, "--config", LLAMA_CONFIG, "-r", "llama-qkv", "-o", tmp_path / "out"),
-            "DoRA", "lora_magnitude_vector")
+            "DoRA", "lora_magnitude_vector", unwritten=[tmp_path / "out"])
 
 
 def test_a_hostile_adapter_config_is_refused_within_the_json_budgets(cli, tmp_path, copy_fixture):
@@ -275,4 +273,5 @@ def test_a_huge_alpha_that_would_overflow_is_refused(cli, tmp_path, copy_fixture
     config = json.loads((folder / "adapter_config.json").read_text())
     config.update({"lora_alpha": 1.7e308, "alpha_pattern": {"v_proj": 0.85e308}})
     (folder / "adapter_config.json").write_text(json.dumps(config))
-    refused(cli("fuse", folder, "--config", LLAMA_CONFIG, "-r", "llama-qkv", "-o", tmp_path / "out"), "finite")
+    refused(cli("fuse", folder, "--config", LLAMA_CONFIG, "-r", "llama-qkv", "-o", tmp_path / "out"), "finite",
+            unwritten=[tmp_path / "out"])

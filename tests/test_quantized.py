@@ -15,12 +15,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, array_of, load_checkpoint_raw, ok, refused, write_rules, write_safetensors
+from conftest import FIXTURES, array_of, load_checkpoint_raw, metadata_of, ok, refused, write_rules, write_safetensors
 from fusectl.dtypes import BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops.dequantize import Dequantize, expand_scale, scale_grid
 from fusectl.plan import Step
-from fusectl.quantization import QuantScheme, ScaleLift, Scale, scale_name, scheme_from, with_scales
+from fusectl.quantization import QuantScheme, scale_name, scheme_from, with_scales
 from fusectl.table import ParamTable
 from fusectl.tensors import TensorSpec
 
@@ -529,8 +529,7 @@ def test_a_malformed_config_record_in_the_provenance_is_refused(cli, tmp_path, r
     rules = write_rules(tmp_path / "r.toml", 'version = 1\n[config]\nremove = ["rope_theta"]\n')
     ok(cli("fuse", FIXTURES / "fp8-llama", "-r", "llama-qkv", "-r", rules, "-o", out))
     tensors = {n: array_of(e) for n, e in raw(out).items()}
-    meta = json.loads((out / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
-        (out / "model.safetensors").read_bytes()[:8], "little")])["__metadata__"]
+    meta = metadata_of(out)
     provenance = json.loads(meta["fusectl"])
     provenance["plan"][-1]["config"] = record
     meta["fusectl"] = json.dumps(provenance)
@@ -542,7 +541,7 @@ def test_a_numbered_scale_companion_stops_the_rule(cli, tmp_path, copy_fixture):
     """NVFP4 / ModelOpt write a second scale, weight_scale_2: not known, so not left behind."""
     name = f"{ATTN}.k_proj.weight_scale_2"
     folder = _with_extra(copy_fixture, name, np.ones((1,), np.float32))
-    refused(cli("fuse", folder, "-r", "llama-qkv", "-o", tmp_path / "out"), name)
+    refused(cli("fuse", folder, "-r", "llama-qkv", "-o", tmp_path / "out"), name, unwritten=[tmp_path / "out"])
 
 
 def test_a_negative_axis_moves_per_channel_scales_like_axis_0(cli, tmp_path):
