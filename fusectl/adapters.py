@@ -31,8 +31,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
-
 from .config_edit import ConfigEdit
 from .errors import CheckpointError, PlanError, quote
 from .executor import OpaqueTensor, apply_group
