@@ -14,7 +14,7 @@ import traceback
 import click
 
 from . import __version__, api
-from .errors import FusectlError, OutputError, printable
+from .errors import FusectlError, printable
 from .adapters import LoraConfig, adapter_report
 from .io.checkpoint import Checkpoint, adapter_config, open_checkpoint, takes_key
 from .io.provenance import plan_to_json
@@ -716,8 +716,9 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
     if any(graphs) and _key() is not None:
         _fail(ctx, "--key selects a state dict inside a PyTorch checkpoint; it does not apply to .onnx models")
     if all(graphs):
-        sources = [*model_input_paths(reference), *model_input_paths(candidate), *named]
-        check_report_destinations(destinations, sources + ([inputs_file] if inputs_file else []))
+        sources = [*model_input_paths(reference), *model_input_paths(candidate), *named,
+                   *([inputs_file] if inputs_file else [])]
+        check_report_destinations(destinations, sources)
         report = api.verify(reference, candidate, provider=provider, atol=atol, rtol=rtol,
                             inputs=load_inputs_file(inputs_file), shapes=parsed["--input"],
                             dims=parsed["--dim"], seed=seed)
@@ -736,25 +737,14 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
         if _key() is not None and not {ref.format, cand.format} & {"pytorch"}:
             _fail(ctx, f"--key selects a state dict inside a PyTorch file; neither {printable(reference)} nor "
                        f"{printable(candidate)} is one, so leave it out")
-        check_report_destinations(destinations, [*ref.input_paths(), *cand.input_paths(), *named])
+        sources = [*ref.input_paths(), *cand.input_paths(), *named]
+        check_report_destinations(destinations, sources)
         report = api.verify(ref, cand, rules=rules, provider=provider, atol=atol, rtol=rtol, seed=seed,
                             config=config_path)
-    if report_path:
-        _write_report(report_path, (json.dumps(report.to_json(), indent=2) + "\n").encode())
-    if junit_path:
-        _write_report(junit_path, report.to_junit())
+    report.write(json_path=report_path, junit_path=junit_path, inputs=sources, on_note=_note)
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)
-
-
-def _write_report(path: str, data: bytes) -> None:
-    """Write a report file; a failure names it (ENOSPC at close carries no file name)."""
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise OutputError(f"{printable(path)}: {e.strerror or e}; check the path, permissions and free space") from e
 
 
 @main.group("rules", cls=FusectlGroup)

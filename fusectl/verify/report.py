@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import stat
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..errors import OutputError, printable
+from ..io.atomic import atomic_output
 from .compare import Comparison
 
 REPORT_VERSION = 1
@@ -122,6 +126,39 @@ class VerifyReport:
                 ET.SubElement(case, "failure", message=printable(message))
         return ET.tostring(ET.ElementTree(suite).getroot(), encoding="utf-8", xml_declaration=True)
 
+    def to_json_bytes(self) -> bytes:
+        """The JSON report (:meth:`to_json`) as ``--report`` writes it: indented, one final newline."""
+        return (json.dumps(self.to_json(), indent=2) + "\n").encode()
+
+    def write(self, *, json_path: str | None = None, junit_path: str | None = None,
+              inputs: Sequence[str] = (), on_note: Callable[[str], None] | None = None) -> None:
+        """Write the JSON report to ``json_path`` and JUnit XML to ``junit_path`` (either may be None).
+
+        Each file is written under a temporary name beside it, flushed to disk and renamed into
+        place (:func:`fusectl.io.atomic.atomic_output`), both renamed only once both are written:
+        whatever fails (a full disk included) leaves neither a new file nor a torn one, and a
+        file that was there before stays as it was. An existing file is replaced. A destination
+        that exists and is not a regular file (``/dev/stdout``, a FIFO) cannot be replaced, so it
+        is written straight through. ``inputs`` are files and folders no report may overwrite or
+        land in (see :func:`check_report_destinations` for the check with the CLI's wording);
+        ``on_note`` hears what was cleaned up after a killed run.
+
+        Raises OutputError naming the file that could not be written.
+
+        >>> import pathlib, tempfile
+        >>> out = pathlib.Path(tempfile.mkdtemp(), "verify.json")
+        >>> VerifyReport("model", "a.onnx", "b.onnx").write(json_path=str(out))
+        >>> json.loads(out.read_text())["passed"]
+        True
+        """
+        files = [(path, render) for path, render in ((json_path, self.to_json_bytes), (junit_path, self.to_junit))
+                 if path]
+        replaced = [(path, render) for path, render in files if not _is_stream(path)]
+        for path, render in files:
+            if _is_stream(path):
+                _write_stream(path, render())
+        _replace_all(replaced, inputs, on_note)
+
 
 def check_report_destinations(destinations: Mapping[str, str | None], inputs: Sequence[str]) -> None:
     """Refuse report files that would overwrite an input, land in an input folder, or collide.
@@ -152,6 +189,58 @@ def check_report_destinations(destinations: Mapping[str, str | None], inputs: Se
             if os.path.isdir(real) and target.startswith(real.rstrip(os.sep) + os.sep):
                 raise OutputError(f"{option} {printable(path)}: would land inside the input folder "
                                   f"{printable(source)}; choose a path outside it")
+
+
+def _is_stream(path: str) -> bool:
+    """Whether ``path`` names something that exists and is not a regular file (a device, a FIFO)."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _write_stream(path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:  # ENOSPC at close carries no file name
+        raise OutputError(f"{printable(path)}: {e.strerror or e}; check the path, permissions and free space") from e
+
+
+def _replace_all(files: Sequence[tuple[str, Callable[[], bytes]]], inputs: Sequence[str],
+                 on_note: Callable[[str], None] | None) -> None:
+    """Write every file to its temporary, then rename them all into place (the last given first):
+    a failure before the renames leaves every destination as it was."""
+    try:
+        with contextlib.ExitStack() as stack:
+            temporaries = [(path, stack.enter_context(atomic_output(path, force=True, inputs=inputs,
+                                                                    on_note=on_note)), render)
+                           for path, render in files]
+            for path, temporary, render in temporaries:
+                try:
+                    _write_synced(temporary, render())
+                except OSError as e:  # raised here, so that the message names this report
+                    raise _not_written(path, e) from e
+    except OSError as e:  # while renaming into place
+        raise _not_written(" and ".join(path for path, _ in files), e) from e
+
+
+def _not_written(path: str, e: OSError) -> OutputError:
+    return OutputError(f"{printable(path)}: {e.strerror or e} while writing it; no report file was written "
+                       "(one that was there is left as it was); check the path, permissions and free space")
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    """``data`` in a new file at ``path``, on disk when this returns (a full disk is raised here,
+    not at some later close)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _same_file(a: str, b: str) -> bool:
