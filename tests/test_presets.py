@@ -29,6 +29,10 @@ PRESETS = {
     "gpt-neox-qkv": ("tiny-gpt-neox", [f"gpt_neox.layers.0.attention.{x}.{t}"
                                        for x in ("query", "key", "value") for t in ("weight", "bias")]),
     "mixtral-experts": ("tiny-mixtral", [f"model.layers.0.block_sparse_moe.experts.w{n}" for n in (1, 2, 3)]),
+    "mixtral-experts-hf5": ("moe-hf5/tiny-mixtral", [f"model.layers.0.mlp.experts.{x}_proj" for x in ("gate_up", "down")]
+                            + ["model.layers.0.mlp.gate.weight"]),
+    "qwen2-moe-experts-hf5": ("moe-hf5/tiny-qwen2-moe", [f"model.layers.0.mlp.experts.{x}_proj" for x in ("gate_up", "down")]
+                              + ["model.layers.0.mlp.shared_expert_gate.weight"]),
     "llama-rope": ("tiny-rope-meta.safetensors", ["model.layers.0.self_attn.q_proj.weight",
                                                   "model.layers.0.self_attn.k_proj.weight"]),
 }
