@@ -9,13 +9,14 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import VerifyError, printable, quote
-from ..onnx.graph import external_data_files
+from ..errors import CheckpointError, VerifyError, printable, quote
+from ..onnx.graph import external_data_files, load_model
 from .compare import check_tolerance, compare, default_tolerance
+from .input_ranges import DEFAULT, IntegerRange, integer_input_ranges
 from .inputs_file import load_inputs_file
 from .report import Check, VerifyReport
-from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, resolve_provider, run,
-                     session)
+from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, random_integer_inputs,
+                     resolve_provider, run, session)
 
 __all__ = ["ModelVerifyReport", "load_inputs_file", "model_input_paths", "verify_models"]
 from .upcast import has_bfloat16, upcast_bfloat16
@@ -23,7 +24,8 @@ from .upcast import has_bfloat16, upcast_bfloat16
 
 @dataclass
 class ModelVerifyReport(VerifyReport):
-    """A model-mode report: also the named dynamic dimensions the inputs were made with."""
+    """A model-mode report: also the named dynamic dimensions the inputs were made with, and
+    (in ``inputs``) the ``range`` and ``range_from`` of each random integer input."""
 
     dims: dict[str, int] = field(default_factory=dict)
 
@@ -37,6 +39,10 @@ class ModelVerifyReport(VerifyReport):
         line = f"  inputs: {inputs or 'none'}"
         if self.dims:
             line += "; dims " + ", ".join(f"{printable(n)}={v}" for n, v in self.dims.items())
+        ranges = [f"{printable(i['name'])} in [{i['range'][0]}, {i['range'][1]}] ({printable(i['range_from'])})"
+                  for i in self.inputs if "range" in i]
+        if ranges:
+            line += "\n  random integers: " + ", ".join(ranges)
         return "\n".join([head, line, *rest])
 
 
@@ -65,6 +71,26 @@ class _Float32Inputs(Mapping[str, np.ndarray]):
 def model_input_paths(path: str) -> list[str]:
     """The files verify reads for the model at ``path``: itself and its external data (checked)."""
     return [path, *external_data_files(path)]
+
+
+def _integer_ranges(paths: list[str], names: list[str]) -> dict[str, IntegerRange]:
+    """The range of each random integer input of ``names``, from the graphs at ``paths``."""
+    if not names:
+        return {}  # no graph to read: every integer input is given, or there is none
+    try:
+        models = [load_model(path) for path in paths]
+    except CheckpointError:  # onnxruntime runs graphs onnx-ir cannot represent (maps)
+        unread = IntegerRange(DEFAULT.low, DEFAULT.high, f"{DEFAULT.reason}: onnx-ir cannot read the graph")
+        return {name: unread for name in names}
+    return integer_input_ranges(models, names)
+
+
+def _input_entry(spec) -> dict:
+    """An input as the JSON report lists it."""
+    entry = {"name": spec.name, "dtype": str(spec.dtype), "shape": list(spec.shape), "source": spec.source}
+    if spec.range is not None:
+        entry.update({"range": spec.range.to_json(), "range_from": spec.range.reason})
+    return entry
 
 
 def _check_outputs(sess, what: str) -> None:
@@ -124,8 +150,9 @@ def verify_models(
     _check_outputs(ref_sess, reference)
     _check_outputs(cand_sess, candidate)
     given = _Float32Inputs(inputs or {}) if upcast else (inputs or {})
+    ranges = _integer_ranges(list(dict.fromkeys([reference, candidate])), random_integer_inputs(ref_sess, given))
     feeds, specs, named = make_inputs(ref_sess, given, shapes or {}, dims or {}, seed, reference,
-                                      hints=declared_shapes(cand_sess))
+                                      hints=declared_shapes(cand_sess), ranges=ranges)
     cand_inputs = {m.name for m in cand_sess.get_inputs()}
     if cand_inputs != set(feeds):
         raise VerifyError(
@@ -135,8 +162,7 @@ def verify_models(
     cand_out = run(cand_sess, feeds, candidate)
     report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named,
                                precision="fp32-upcast" if upcast else "native",
-                               inputs=[{"name": s.name, "dtype": str(s.dtype), "shape": list(s.shape),
-                                        "source": s.source} for s in specs])
+                               inputs=[_input_entry(s) for s in specs])
     for name, expected in ref_out.items():
         if name not in cand_out:
             report.checks.append(Check("output", name, False, detail=f"{candidate} has no output {name!r}"))

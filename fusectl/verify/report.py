@@ -150,6 +150,7 @@ class VerifyReport:
         >>> VerifyReport("model", "a.onnx", "b.onnx").write(json_path=str(out))
         >>> json.loads(out.read_text())["passed"]
         True
+        >>> import shutil; shutil.rmtree(out.parent)
         """
         files = [(path, render) for path, render in ((json_path, self.to_json_bytes), (junit_path, self.to_junit))
                  if path]

@@ -11,6 +11,7 @@ from typing import Mapping
 import numpy as np
 
 from ..errors import VerifyError, printable
+from .input_ranges import DEFAULT, IntegerRange
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -102,6 +103,7 @@ class InputSpec:
     dtype: np.dtype
     shape: tuple[int, ...]
     source: str  # "file", "random"
+    range: IntegerRange | None = None  # the values of a random integer input (not bool)
 
 
 _NUMPY_OF_ORT = {
@@ -258,11 +260,21 @@ def _check_given(sess, given: Mapping[str, tuple[tuple[int, ...], np.dtype]], wh
                               f"save it as {np.dtype(expected)}")
 
 
+def random_integer_inputs(sess, given: Mapping[str, np.ndarray]) -> list[str]:
+    """The inputs of ``sess`` that :func:`make_inputs` makes as random integers (not bool)."""
+    fed = set(given)  # by name only: looking an array up in an --inputs file would decompress it
+    return [m.name for m in sess.get_inputs() if m.name not in fed
+            and np.dtype(_NUMPY_OF_ORT.get(m.type, np.float32)).kind in "iu"]
+
+
 def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]],
                 dims: Mapping[str, int], seed: int, what: str, hints: Mapping[str, tuple] | None = None,
+                ranges: Mapping[str, IntegerRange] | None = None,
                 ) -> tuple[dict[str, np.ndarray], list[InputSpec], dict[str, int]]:
-    """Inputs for every graph input: from ``given``, else seeded random (float: N(0,1);
-    integers: 0 or 1) with the shapes of :func:`resolve_shapes`. Also returns the named dims."""
+    """Inputs for every graph input: from ``given``, else seeded random with the shapes of
+    :func:`resolve_shapes`: floats N(0,1), bools False or True, integers uniform in their range
+    of ``ranges`` (see :mod:`fusectl.verify.input_ranges`), else in [0, 1]. Also returns the
+    named dims."""
     for meta in sess.get_inputs():
         if not meta.type.startswith("tensor("):
             raise VerifyError(f"{printable(what)}: input {printable(meta.name)} has type {meta.type}; verify "
@@ -300,14 +312,16 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
             continue
         dtype = _NUMPY_OF_ORT[meta.type]
         shape = random_shapes[meta.name]
+        values = None
         if np.dtype(dtype).kind == "f":
             value = rng.standard_normal(shape).astype(dtype)
         elif np.dtype(dtype) == np.bool_:
             value = rng.integers(0, 2, shape).astype(np.bool_)
         else:
-            value = rng.integers(0, 2, shape).astype(dtype)
+            values = (ranges or {}).get(meta.name, DEFAULT)
+            value = rng.integers(values.low, values.high, shape, endpoint=True).astype(dtype)
         feeds[meta.name] = value
-        specs.append(InputSpec(meta.name, np.dtype(dtype), shape, "random"))
+        specs.append(InputSpec(meta.name, np.dtype(dtype), shape, "random", values))
     return feeds, specs, named
 
 
