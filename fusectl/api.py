@@ -19,16 +19,16 @@ import os
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from .errors import PlanError
+from .errors import PlanError, quote
 from .executor import run_plan
 from .adapters import ADAPTER_CONFIG, LoraConfig, make_adapter_plan
 from .config_edit import resolve_edits
 from .io.checkpoint import Checkpoint, Companion, adapter_config, open_checkpoint, read_config_text
 from .io.output import output_kind
-from .plan import Plan
+from .plan import Plan, RuleOrigin
 from .planner import make_plan
-from .rules.inverse import invert_ruleset
-from .rules.presets import load_rules_arg
+from .rules.inverse import InverseProof, invert_with_proof
+from .rules.origin import load_recorded_rules
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
@@ -67,7 +67,12 @@ def _checkpoint(ckpt, config: str | None, follow_symlinks: bool) -> Checkpoint:
 
 def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]:
     """Each rules file path (or preset name) loaded against the checkpoint's config."""
-    return [load_rules_arg(os.fspath(r), checkpoint.config) for r in rules]
+    return [ruleset for ruleset, _ in _load_with_origins(checkpoint, rules)]
+
+
+def _load_with_origins(checkpoint: Checkpoint, rules: Sequence[str]) -> list[tuple[RuleSet, RuleOrigin]]:
+    """Each rules file loaded, with the text and config values its provenance records."""
+    return [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]
 
 
 def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect: bool,
@@ -93,16 +98,19 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     if not rules:
         raise PlanError("give at least one rules file or preset name")
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
-    rulesets = load_rulesets(checkpoint, rules)
+    loaded = _load_with_origins(checkpoint, rules)
+    rulesets = [ruleset for ruleset, _ in loaded]
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
-    return _bind(checkpoint, table, rulesets, untie)
+    return _bind(checkpoint, table, rulesets, untie, origins=[origin for _, origin in loaded])
 
 
-def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet], untie: bool) -> Planned:
-    """Rules bound to a checkpoint's table; to a LoRA adapter's, through its base view."""
+def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet], untie: bool, *,
+          origins: Sequence[RuleOrigin] | None = None, proof: InverseProof | None = None) -> Planned:
+    """Rules bound to a checkpoint's table; to a LoRA adapter's, through its base view.
+    ``origins`` are recorded on the groups; ``proof`` admits the bindings of inverted rules."""
     adapter = adapter_config(checkpoint)
     if adapter is None:
-        steps, result = make_plan(table, rulesets, untie, checkpoint.config)
+        steps, result = make_plan(table, rulesets, untie, checkpoint.config, origins=origins, proof=proof)
         return Planned(checkpoint, table, steps, result)
     where, text, raw = adapter
     lifted = make_adapter_plan(table, LoraConfig.parse(raw, where), text, rulesets, untie, checkpoint.config)
@@ -183,15 +191,25 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            untie: bool = False, write_ties_once: bool = False, config: str | None = None,
            follow_symlinks: bool = False, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None) -> FuseReport:
-    """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order."""
+    """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
+
+    With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
+    those the provenance records the rule making, else those the forward rule would have
+    consumed had they been its inputs; any other binding is a PlanError naming the tensor."""
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
     if rules:
-        rulesets = [invert_ruleset(r) for r in reversed(load_rulesets(checkpoint, rules))]
+        loaded = _load_with_origins(checkpoint, rules)
+        history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
+        rulesets, proof = invert_with_proof([r for r, _ in loaded], [o for _, o in loaded], history,
+                                            str(checkpoint.path))
         start = _prepared_table(checkpoint, rulesets, False, write_ties_once)
-        planned = _bind(checkpoint, start, rulesets, untie)
+        planned = _bind(checkpoint, start, rulesets, untie, proof=proof)
         table = run_plan(start, planned.plan, str(checkpoint.path), untie)
-        history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
+        new = planned.plan
         lora_base = planned.lora_base
+        if proof.left_alone and on_note is not None:
+            on_note(f"left {len(proof.left_alone)} tensor(s) alone that the provenance says the rules did not "
+                    f"make (first: {quote(proof.left_alone[0])})")
     else:
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
             raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass -r RULES to invert rules instead")

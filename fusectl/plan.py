@@ -6,6 +6,7 @@ it as provenance, ``unfuse`` runs ``plan.inverse()``.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from .config_edit import ConfigEdit
@@ -32,6 +33,23 @@ class Step:
 
 
 @dataclass(frozen=True)
+class RuleOrigin:
+    """What a step group's rule was bound with, so that ``verify`` can bind it again: the rules
+    file's text (a preset's shipped text), which ``[[rule]]`` of it (0-based), the config values
+    its ``[vars]`` read and the quantization block size the planner used."""
+
+    text: str
+    rule: int
+    config: tuple[tuple[str, object], ...] = ()  # (config key, its JSON value), sorted by key
+    block: tuple[int, int] | None = None
+
+    @property
+    def sha256(self) -> str:
+        """The hex SHA-256 of the rules text (how a provenance names the text it stores once)."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
 class StepGroup:
     """The steps one rule produced; ties are judged per group."""
 
@@ -44,6 +62,7 @@ class StepGroup:
     retie: tuple[tuple[str, ...], ...] = ()  # groups an inverse ties again (exact steps only)
     retie_stored: tuple[tuple[str, ...], ...] = ()  # ... and which of their members stay stored
     config: ConfigEdit | None = None  # a rules file's [config]: the group edits config.json
+    origin: RuleOrigin | None = None  # the rule as bound (None: recorded before fusectl kept it)
 
     @property
     def kind(self) -> str:

@@ -8,35 +8,54 @@ group as it is bound (``executor.apply_group``), so the table the planner ends w
 from __future__ import annotations
 
 import difflib
-from typing import Mapping, Sequence
+from dataclasses import replace
+from typing import Mapping, Protocol, Sequence
 
 from .errors import PlanError, RuleError, quote
 from .executor import apply_group
 from .limits import check_limit
-from .plan import Plan, Step, StepGroup
+from .plan import Plan, RuleOrigin, Step, StepGroup
 from .quantization import QuantScheme, scale_names, scheme_from, with_scales
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable
 from .tensors import TensorSpec
 
 
+class BindingProof(Protocol):
+    """Decides which bindings of a rule may become steps (``unfuse -r``: only those the
+    inverted rule can prove its forward rule produced; see ``fusectl.rules.inverse``)."""
+
+    def admits(self, rule: Rule, step: Step) -> bool:
+        """True to keep the step, False to leave its tensors alone; PlanError to refuse."""
+
+    def nothing_admitted(self, rule: Rule) -> PlanError:
+        """The error for a rule that bound tensors of which none was admitted."""
+
+
 def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False,
-              config: Mapping | None = None) -> tuple[Plan, ParamTable]:
+              config: Mapping | None = None, *, origins: Sequence[RuleOrigin] | None = None,
+              proof: BindingProof | None = None) -> tuple[Plan, ParamTable]:
     """Bind ``rulesets`` in order to a copy of ``table``: the plan and the table it makes.
+
     ``config`` (the checkpoint's config.json) gives the block size of quantized weights' scales,
-    unless a rules file's ``[quantization]`` does."""
+    unless a rules file's ``[quantization]`` does. ``origins`` (one per ruleset: its text and
+    the config values its vars read) are recorded on each group with the rule's index, so the
+    provenance says how to bind it again. ``proof`` filters the bindings (``unfuse -r``)."""
     current = table.copy()
     groups: list[StepGroup] = []
     scheme = scheme_from(config, [(r.block_size, r.source) for r in rulesets if r.block_size])
-    for ruleset in rulesets:
+    for k, ruleset in enumerate(rulesets):
+        origin = origins[k] if origins is not None else None
         if not ruleset.rules and not ruleset.ties and not ruleset.config and not ruleset.block_size:
             raise PlanError(f"{ruleset.source}: has no [[rule]], [ties], [config] or [quantization]; it would "
                             "change nothing. Add rules, or leave it out")
         applied = 0
-        for rule in ruleset.rules:
-            steps = bind_rule(rule, current, scheme)
+        for index, rule in enumerate(ruleset.rules):
+            steps = bind_rule(rule, current, scheme, proof)
             if steps:
-                groups.append(apply_group(current, StepGroup(rule.name, rule.source, tuple(steps)), untie))
+                recorded = replace(origin, rule=index, block=scheme.block) if origin is not None else None
+                groups.append(apply_group(current, StepGroup(rule.name, rule.source, tuple(steps),
+                                                             origin=recorded), untie))
                 applied += 1
         # optional rules may each match nothing, but a file of which no rule matches does not
         # fit this model at all (a fold preset on a model without the reparametrization)
@@ -48,11 +67,14 @@ def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = Fals
     return Plan(tuple(groups)), current
 
 
-def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme()) -> list[Step]:
+def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme(),
+              proof: BindingProof | None = None) -> list[Step]:
     """Concrete steps for one rule against the current table (headers only), followed by the
-    steps that move the scales of the quantized weights it consumes."""
+    steps that move the scales of the quantized weights it consumes. With ``proof``, only the
+    bindings it admits become steps."""
     names = table.names()
     steps: list[Step] = []
+    left_alone = 0
     bindings = list(_bindings(rule, names, table))
     # a pattern such as ``q_proj.{t}`` binds a weight and its scales alike: the scales then
     # move with their weight (below), not as parts of their own
@@ -76,7 +98,13 @@ def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme()
             outputs = _outputs(rule, binding, specs)
         except PlanError as e:
             raise PlanError(f"{rule.describe()}: {e}") from e
-        steps.append(Step(op, tuple(inputs), tuple(outputs), specs, out_specs))
+        step = Step(op, tuple(inputs), tuple(outputs), specs, out_specs)
+        if proof is not None and not proof.admits(rule, step):
+            left_alone += 1
+            continue
+        steps.append(step)
+    if not steps and left_alone and not rule.optional:
+        raise proof.nothing_admitted(rule)
     if not steps and not rule.optional:
         raise PlanError(
             f"{rule.describe()} matches nothing: no tensor fits {_first(rule).text!r}"

@@ -252,7 +252,7 @@ def test_single_file_output(cli, copy_fixture, tmp_path):
     assert_same_checkpoint(src, back)
 
 
-def test_unfuse_with_rules_inverts_without_provenance(cli, copy_fixture, tmp_path):
+def test_unfuse_with_rules_without_provenance_refuses_to_guess(cli, copy_fixture, tmp_path):
     src = copy_fixture(LLAMA)
     fused = tmp_path / "fused"
     ok(cli("fuse", src, "-r", "llama-qkv", "-o", fused))
@@ -262,9 +262,11 @@ def test_unfuse_with_rules_inverts_without_provenance(cli, copy_fixture, tmp_pat
     safetensors.numpy.save_file(arrays, str(path), metadata={"format": "pt"})
     assert cli("inspect", fused, "--json").json()["provenance"] is None
 
+    # qkv_proj could as well have been in the input, untouched: only a provenance could tell
     restored = tmp_path / "restored"
-    ok(cli("unfuse", fused, "-r", "llama-qkv", "-o", restored))
-    assert_same_checkpoint(src, restored)
+    result = cli("unfuse", fused, "-r", "llama-qkv", "-o", restored)
+    assert result.exit_code == 2 and "has no fusectl provenance" in result.stderr
+    assert not restored.exists()
 
 
 def test_fuse_json_report(cli, copy_fixture, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import types
@@ -16,7 +17,7 @@ from ..errors import CheckpointError, FusectlError, PlanError, quote
 from ..limits import check_limit, limit
 from .untrusted import MalformedJSON, load_json
 from ..ops import OPS, Op
-from ..plan import Plan, Step, StepGroup, op_from_record
+from ..plan import Plan, RuleOrigin, Step, StepGroup, op_from_record
 from ..tensors import TensorSpec
 
 METADATA_KEY = "fusectl"
@@ -131,11 +132,12 @@ def _within(key: str, value: int, what: str) -> None:
 
 def _plan(raw: object) -> Plan:
     groups = []
+    texts: dict[str, str] = {}  # rules texts by SHA-256, as the groups introduce them
     for g, group in enumerate(_list(raw, "plan")):
         what = f"rule group {g}"
         if not isinstance(group, dict):
             raise _Invalid(f"{what} must be an object, not {_short(group)}")
-        _only_keys(group, {"rule", "source", "op", "untied", "untied_stored", "steps", "config"}, what)
+        _only_keys(group, {"rule", "source", "op", "untied", "untied_stored", "steps", "config", "origin"}, what)
         for key in ("rule", "source"):
             if not isinstance(group.get(key), str):
                 raise _Invalid(f"{what}: {key} must be a string, not {_short(group.get(key))}")
@@ -160,8 +162,52 @@ def _plan(raw: object) -> Plan:
                 config = ConfigEdit.from_json(group["config"], f"{what}: config")
             except PlanError as e:
                 raise _Invalid(str(e)) from None
-        groups.append(StepGroup(group["rule"], group["source"], steps, untied, untied_stored, config=config))
+        origin = _origin(group["origin"], f"{what}: origin", texts) if "origin" in group else None
+        groups.append(StepGroup(group["rule"], group["source"], steps, untied, untied_stored, config=config,
+                                origin=origin))
     return Plan(tuple(groups))
+
+
+def _origin(raw: object, what: str, texts: dict[str, str]) -> RuleOrigin:
+    """A recorded rule origin; its text is written by the first group that uses it, later
+    groups name it by SHA-256 only."""
+    if not isinstance(raw, dict):
+        raise _Invalid(f"{what} must be an object, not {_short(raw)}")
+    _only_keys(raw, {"rules_sha256", "text", "rule", "config", "block"}, what)
+    sha, rule = raw.get("rules_sha256"), raw.get("rule")
+    if not isinstance(sha, str) or type(rule) is not int or rule < 0:
+        raise _Invalid(f"{what}: rules_sha256 must be a string and rule a whole number")
+    if "text" in raw:
+        text = raw["text"]
+        if not isinstance(text, str):
+            raise _Invalid(f"{what}: text must be a string")
+        try:
+            actual = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        except UnicodeEncodeError:
+            raise _Invalid(f"{what}: text holds a lone UTF-16 surrogate, which is not text") from None
+        if actual != sha:
+            raise _Invalid(f"{what}: the rules text does not have the recorded SHA-256 {quote(sha[:80])}")
+        texts[sha] = text
+    if sha not in texts:
+        raise _Invalid(f"{what}: rules_sha256 {quote(sha[:80])} names no text an earlier group recorded")
+    config = raw.get("config", {})
+    if not isinstance(config, dict) or not all(type(v) is int for v in config.values()):
+        raise _Invalid(f"{what}: config must map config keys to the integers the rules' vars read")
+    block = raw.get("block")
+    if block is not None and not (isinstance(block, list) and len(block) == 2
+                                  and all(type(v) is int and v > 0 for v in block)):
+        raise _Invalid(f"{what}: block must be null or two positive integers")
+    return RuleOrigin(texts[sha], rule, tuple(sorted(config.items())), tuple(block) if block else None)
+
+
+def _origin_json(origin: RuleOrigin, written: set[str]) -> dict:
+    sha = origin.sha256
+    record = {"rules_sha256": sha, "rule": origin.rule, "config": dict(origin.config),
+              "block": list(origin.block) if origin.block else None}
+    if sha not in written:  # the text once per plan; later groups name it
+        written.add(sha)
+        record["text"] = origin.text
+    return record
 
 
 def _step(raw: object, what: str) -> Step:
@@ -266,7 +312,10 @@ def _spec_json(spec: TensorSpec) -> list:
 
 
 def plan_to_json(plan: Plan) -> list[dict]:
-    """A plan as JSON-ready data (also what ``fusectl plan --json`` prints under "groups")."""
+    """A plan as JSON-ready data (also what ``fusectl plan --json`` prints under "groups"). A
+    group's ``origin`` (the rule as bound: its file's text, the rule's index, the config values
+    its vars read) carries the text the first time the plan uses it."""
+    written: set[str] = set()
     return [
         {
             "rule": g.rule,
@@ -275,6 +324,7 @@ def plan_to_json(plan: Plan) -> list[dict]:
             "untied": [list(u) for u in g.untied],
             "untied_stored": [list(u) for u in g.untied_stored],
             **({"config": g.config.to_json()} if g.config is not None else {}),
+            **({"origin": _origin_json(g.origin, written)} if g.origin is not None else {}),
             "steps": [
                 {
                     "op": s.op.kind,

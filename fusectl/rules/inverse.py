@@ -1,11 +1,34 @@
-"""Invert a rules file rule by rule (``fusectl unfuse -r``): reversed order, inverse ops."""
+"""Invert a rules file rule by rule (``fusectl unfuse -r``): reversed order, inverse ops, and
+only the bindings the inverse can prove its forward rule made.
+
+An inverted rule's pattern is the forward rule's output pattern, which may also match tensors
+the forward rule left alone: the prefix strip ``model.{r*}`` → ``{r*}`` outputs ``layers.0.x``,
+but ``lm_head.weight``, which it never touched, fits ``{r*}`` just as well. Names alone cannot
+tell the two apart, so :class:`InverseProof` admits a binding only when it is proven:
+
+* **by the provenance**, when the checkpoint's recorded plan has groups of the forward rule
+  (same rule name, and the same rules text or, for provenances that predate recorded texts,
+  the same source): a group lists every binding the rule made, so the inverse runs exactly the
+  recorded steps whose outputs are still the tensors of that name (same op, parameters, names
+  and specs) and leaves every other tensor alone. A binding that overlaps a recorded step but
+  is not it is refused.
+* **by the patterns**, otherwise: a tensor the inverse would consume is proven to be the
+  forward rule's output only if it matches one of the forward rule's input patterns (had it
+  been in the input, the forward rule would have consumed it: in-place steps such as
+  ``llama-rope`` or a transpose). Any other binding is ambiguous and refused, naming the tensor.
+"""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
-from ..errors import PlanError
+from ..errors import PlanError, quote
+from ..plan import Plan, RuleOrigin, Step
 from .schema import Rule, RuleSet
+
+_USE_PROVENANCE = ("unfuse a checkpoint fusectl fused without -r (`fusectl unfuse CKPT -o OUT` inverts "
+                   "its recorded provenance, which says which tensors each rule made)")
 
 
 def invert_rule(rule: Rule) -> Rule:
@@ -33,11 +56,141 @@ def invert_rule(rule: Rule) -> Rule:
                    inputs=rule.outputs, outputs=rule.inputs)
 
 
+def _undone(ruleset: RuleSet) -> list[tuple[int, Rule]]:
+    """The rules an inverse undoes, last first, with their index in the file; guards
+    (``refuse``) change nothing and are left out."""
+    return [(k, r) for k, r in reversed(list(enumerate(ruleset.rules))) if not r.op.guard]
+
+
 def invert_ruleset(ruleset: RuleSet) -> RuleSet:
     """The rules that undo ``ruleset``, last first; guards (``refuse``) change nothing and are left out."""
-    rules = [r for r in reversed(ruleset.rules) if not r.op.guard]
     try:
         config = ruleset.config.inverse() if ruleset.config is not None else None
     except PlanError as e:
         raise PlanError(f"{ruleset.source} [config]: {e}") from None
-    return replace(ruleset, rules=tuple(invert_rule(r) for r in rules), config=config)
+    return replace(ruleset, rules=tuple(invert_rule(r) for _, r in _undone(ruleset)), config=config)
+
+
+def invert_with_proof(rulesets: Sequence[RuleSet], origins: Sequence[RuleOrigin], history: Plan | None,
+                      where: str) -> tuple[list[RuleSet], "InverseProof"]:
+    """``unfuse -r``: the inverted rulesets (last file first) and the proof that admits their
+    bindings. ``origins`` are the files' texts as loaded (one per ruleset); ``history`` is the
+    checkpoint's recorded plan (None without provenance); ``where`` names the checkpoint."""
+    inverted, forward = [], {}
+    for ruleset, origin in zip(reversed(rulesets), reversed(origins)):
+        inverse = invert_ruleset(ruleset)
+        for rule, (index, fwd) in zip(inverse.rules, _undone(ruleset)):
+            forward[id(rule)] = (fwd, replace(origin, rule=index))
+        inverted.append(inverse)
+    return inverted, InverseProof(inverted, forward, history, where)
+
+
+class InverseProof:
+    """Admits an inverted rule's binding only when it can show the forward rule produced the
+    tensors it consumes (the module doc says how); the planner asks it for every binding."""
+
+    def __init__(self, inverted: Sequence[RuleSet], forward: dict[int, tuple[Rule, RuleOrigin]],
+                 history: Plan | None, where: str):
+        self._inverted = inverted  # keeps the rules whose ids key ``forward`` alive
+        self._forward = forward
+        self._history = history if history is not None else Plan()
+        self._writers = _Writers(self._history)
+        self._where = where
+        self.left_alone: list[str] = []  # tensors the provenance says the rules did not make
+
+    def admits(self, rule: Rule, step: Step) -> bool:
+        forward, origin = self._forward[id(rule)]
+        groups = self._recorded_groups(forward, origin)
+        if groups:
+            return self._by_provenance(rule, forward, step, groups)
+        self._by_patterns(rule, forward, step)
+        return True
+
+    def nothing_admitted(self, rule: Rule) -> PlanError:
+        forward, _ = self._forward[id(rule)]
+        return PlanError(
+            f"{rule.describe()}: every tensor it matches is one the provenance of {self._where} says "
+            f"{forward.describe()} did not make, so there is nothing of it to undo; check the rules, or "
+            f"{_USE_PROVENANCE}")
+
+    def _recorded_groups(self, forward: Rule, origin: RuleOrigin) -> set[int]:
+        def made_by(group) -> bool:
+            if group.rule != forward.name or not group.steps:
+                return False
+            if group.origin is not None:
+                return group.origin.sha256 == origin.sha256 and group.origin.rule == origin.rule
+            return group.source == forward.source
+        return {g for g, group in enumerate(self._history.groups) if made_by(group)}
+
+    def _by_provenance(self, rule: Rule, forward: Rule, step: Step, groups: set[int]) -> bool:
+        writers = {self._writers.of(n) for n in step.inputs}
+        mine = {w for w in writers if w is not None and w[0] in groups}
+        if not mine:
+            self.left_alone.extend(step.inputs)
+            return False
+        key = min(mine)
+        recorded = self._history.groups[key[0]].steps[key[1]]
+        if writers == {key} and _undoes(forward, recorded, step):
+            self._writers.undo(key, recorded)
+            return True
+        raise PlanError(
+            f"{rule.describe()}: would make {_names(step.outputs)} from {_names(step.inputs)}, but the "
+            f"provenance of {self._where} records {forward.describe()} making {_names(recorded.outputs)} "
+            f"from {_names(recorded.inputs)} ({recorded.op.kind}); the rules do not fit what was recorded. "
+            f"{_USE_PROVENANCE[0].upper()}{_USE_PROVENANCE[1:]}")
+
+    def _by_patterns(self, rule: Rule, forward: Rule, step: Step) -> None:
+        patterns = [p for p in forward.inputs if p is not None]
+        for name in step.inputs:
+            if any(p.match(name) is not None for p in patterns):
+                continue  # had it been an input, the forward rule would have consumed it
+            recorded = ("has no fusectl provenance" if not self._history.groups
+                        else f"has a provenance that records no step of {forward.describe()}")
+            raise PlanError(
+                f"{rule.describe()}: {quote(name)} may be a tensor the forward rule left alone (it does not "
+                f"match {_names(p.text for p in patterns)}), so undoing it into {_names(step.outputs)} "
+                f"would be a guess, and {self._where} {recorded} to tell; {_USE_PROVENANCE}, or write "
+                "the conversion as forward rules for `fusectl fuse`")
+
+
+def _undoes(forward: Rule, recorded: Step, step: Step) -> bool:
+    """Whether ``step`` (an inverted binding) is exactly the inverse of ``recorded``: the same
+    op as the forward rule gives for those inputs, the same names and the same specs."""
+    op = forward.op.for_present(list(recorded.input_specs))
+    return (recorded.op.kind == op.kind and recorded.op.params() == op.params()
+            and recorded.outputs == step.inputs and recorded.inputs == step.outputs
+            and recorded.output_specs == step.input_specs and recorded.input_specs == step.output_specs)
+
+
+def _names(names) -> str:
+    return ", ".join(quote(n) for n in names)
+
+
+class _Writers:
+    """Which recorded step wrote each name now in the checkpoint, replayed from the plan, so
+    that undoing a step brings back the writers of the names it consumed."""
+
+    def __init__(self, plan: Plan):
+        self._now: dict[str, tuple[int, int]] = {}
+        self._before: dict[tuple[int, int], dict[str, tuple[int, int] | None]] = {}
+        for g, group in enumerate(plan.groups):
+            for k, step in enumerate(group.steps):
+                touched = {*step.inputs, *step.outputs}
+                self._before[(g, k)] = {n: self._now.get(n) for n in touched}
+                for name in step.inputs:
+                    self._now.pop(name, None)
+                for name in step.outputs:
+                    self._now[name] = (g, k)
+
+    def of(self, name: str) -> tuple[int, int] | None:
+        """The (group, step) that wrote ``name`` last; None when it predates the plan."""
+        return self._now.get(name)
+
+    def undo(self, key: tuple[int, int], step: Step) -> None:
+        for name in step.outputs:
+            self._now.pop(name, None)
+        for name, writer in self._before[key].items():
+            if writer is None:
+                self._now.pop(name, None)
+            else:
+                self._now[name] = writer

@@ -29,13 +29,18 @@ def preset_description(name: str) -> str:
     return tomllib.loads(preset_text(name)).get("description", "")
 
 
-def load_rules_arg(arg: str, config: Mapping[str, object] | None = None) -> RuleSet:
-    """``-r ARG``: an existing path is read as a rules file, anything else is a preset name."""
+def rules_text_arg(arg: str) -> tuple[str, str]:
+    """``-r ARG``'s text and the source messages name: an existing path is read as a rules
+    file, anything else is a preset name (source ``preset NAME``)."""
     if os.path.exists(arg):
         try:
             with open(arg) as f:
-                text = f.read()
+                return f.read(), arg
         except (OSError, UnicodeDecodeError) as e:
             raise RuleError(f"{arg}: cannot read rules file ({e})") from e
-        return load_rules(text, arg, config)
-    return load_rules(preset_text(arg), f"preset {arg}", config)
+    return preset_text(arg), f"preset {arg}"
+
+
+def load_rules_arg(arg: str, config: Mapping[str, object] | None = None) -> RuleSet:
+    """``-r ARG``: an existing path is read as a rules file, anything else is a preset name."""
+    return load_rules(*rules_text_arg(arg), config)
