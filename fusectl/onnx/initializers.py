@@ -54,12 +54,10 @@ def read_initializers(path: str) -> tuple[dict[str, LazyTensor], list[str]]:
         shape = tuple(int(d) for d in tensor.shape)
         spec = TensorSpec(dtype, shape)
         if isinstance(tensor, ir.ExternalTensor):
-            location = tensor.path  # checked inside the model's folder by load_model
-            length = spec.nbytes if tensor.length is None else int(tensor.length)
-            if length != spec.nbytes:
-                raise CheckpointError(f"{where}: its external data holds {length} bytes, but {spec} needs "
-                                      f"{spec.nbytes}; the model is corrupt")
-            tensors[name] = FileTensor(spec, ByteRange(str(location), int(tensor.offset or 0), length))
+            # load_model checked that the location lies inside the model's folder and holds
+            # exactly the spec's bytes at the offset (tensor_protos.check_location)
+            location = tensor.path
+            tensors[name] = FileTensor(spec, ByteRange(str(location), int(tensor.offset or 0), spec.nbytes))
             if str(location) not in files:
                 files.append(str(location))
         else:
