@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import onnx
 import onnx.parser
 import pytest
@@ -97,41 +96,72 @@ def test_inputs_from_a_file_override_every_range(cli, tmp_path):
 
 # ------------------------------------------------------------------- inline graphs (onnx.parser)
 
-
-def test_a_cast_between_the_input_and_the_gather_is_followed(cli, tmp_path):
-    path = graph(tmp_path, f"""
+GATHER_OF_10 = "Gather of 'emb', 10 rows"
+NO_GATHER = "the default: no Gather indexes with it"
+CASES = {
+    "a Cast, Unsqueeze and Squeeze between the input and the Gather": (f"""
 g (int32[2, 3] ids) => (float[2, 3, 2] y) <{table(10, "emb")}, int64[1] axes = {{0}}> {{
     wide = Cast<to=7>(ids)
     more = Unsqueeze(wide, axes)
     back = Squeeze(more, axes)
     y = Gather(emb, back)
-}}""")
-    ids = inputs_of(cli, tmp_path, path)["ids"]
-    assert ids["range"] == [0, 9] and ids["range_from"] == "Gather of 'emb', 10 rows"
-
-
-def test_a_narrowing_cast_caps_the_range_at_its_type(cli, tmp_path):
-    path = graph(tmp_path, f"""
+}}""", [0, 9], GATHER_OF_10),
+    "a narrowing Cast caps the range at its type": (f"""
 g (int64[4] ids) => (float[4, 2] y) <{table(300, "emb")}> {{
     small = Cast<to=3>(ids)
     wide = Cast<to=7>(small)
     y = Gather(emb, wide)
-}}""")
-    ids = inputs_of(cli, tmp_path, path)["ids"]
-    assert ids["range"] == [0, 127]
-    assert ids["range_from"] == ("Gather of 'emb', 300 rows; 127 is the largest value of the integer type "
-                                 "on the way")
-
-
-def test_two_gathers_that_disagree_take_the_smaller_table(cli, tmp_path):
-    path = graph(tmp_path, f"""
+}}""", [0, 127], "Gather of 'emb', 300 rows; 127 is the largest value of the integer type on the way"),
+    "two Gathers that disagree: the smaller table": (f"""
 g (int64[5] ids) => (float[5, 2] y) <{table(10, "big")}, {table(6, "small")}> {{
     a = Gather(big, ids)
     b = Gather(small, ids)
     y = Add(a, b)
-}}""")
-    ids = inputs_of(cli, tmp_path, path)["ids"]
-    assert ids["range"] == [0, 5] and ids["range_from"] == "Gather of 'small', 6 rows"
+}}""", [0, 5], "Gather of 'small', 6 rows"),
+    "a Gather on the last axis: that axis": (f"""
+g (int64[3] ids) => (float[10, 3] y) <{table(10, "emb", 4)}> {{
+    y = Gather<axis=-1>(emb, ids)
+}}""", [0, 3], "Gather of 'emb', 4 rows"),
+    "a Gather of a Constant node: its rows": (f"""
+g (int64[3] ids) => (float[3, 2] y) {{
+    emb = Constant<value = {table(5, "emb_value")}>()
+    y = Gather(emb, ids)
+}}""", [0, 4], "Gather of 'emb', 5 rows"),
+    "a mask through arithmetic and Where keeps 0 or 1": ("""
+g (int64[2, 4] ids, float[2, 4] x) => (float[2, 4] y) <int64 zero = {0}, float minus = {-1e9}> {
+    f = Cast<to=1>(ids)
+    scaled = Mul(x, f)
+    keep = Equal(ids, zero)
+    y = Where(keep, minus, scaled)
+}""", [0, 1], NO_GATHER),
+    "an integer the graph only passes on keeps 0 or 1": ("""
+g (uint8[4] ids) => (uint8[4] y) {
+    y = Identity(ids)
+}""", [0, 1], NO_GATHER),
+    "an input that is also a count (Range) keeps 0 or 1": (f"""
+g (int64 ids) => (float[2] y, float[N, 2] z) <{table(10, "emb")}, int64 zero = {{0}}, int64 one = {{1}}> {{
+    counted = Range(zero, ids, one)
+    y = Gather(emb, ids)
+    z = Gather(emb, counted)
+}}""", [0, 1], "the default: it feeds Range, whose valid values verify cannot tell"),
+    "a Gather of a computed table of unknown size keeps 0 or 1": (f"""
+g (int64[3] ids) => (float[3, 2] y) <{table(10, "emb")}, float two = {{2.0}}> {{
+    doubled = Mul(emb, two)
+    y = Gather(doubled, ids)
+}}""", [0, 1], "the default: it feeds a Gather of a table of unknown size, whose valid values verify cannot tell"),
+    **{f"a {dtype} input caps the range at its type": (f"""
+g ({dtype}[4] ids) => (float[4, 2] y) <{table(300, "emb")}> {{
+    wide = Cast<to=7>(ids)
+    y = Gather(emb, wide)
+}}""", [0, largest], "Gather of 'emb', 300 rows; {largest} is the largest value of the integer type on the way"
+       .format(largest=largest)) for dtype, largest in (("uint8", 255), ("int8", 127))},
+}
+
+
+@pytest.mark.parametrize("text, expected, why", CASES.values(), ids=CASES.keys())
+def test_the_range_the_graph_gives(cli, tmp_path, text, expected, why):
+    ids = inputs_of(cli, tmp_path, graph(tmp_path, text))["ids"]
+    assert (ids["range"], ids["range_from"]) == (expected, why)
 
 
 def test_the_candidates_smaller_table_bounds_both(cli, tmp_path):
@@ -144,88 +174,14 @@ g (int64[5] ids) => (float[5, 2] y) <TABLE> {
     assert inputs_of(cli, tmp_path, reference, candidate)["ids"]["range"] == [0, 6]
 
 
-def test_a_gather_on_another_axis_uses_that_axis(cli, tmp_path):
-    path = graph(tmp_path, f"""
-g (int64[3] ids) => (float[10, 3] y) <{table(10, "emb", 4)}> {{
-    y = Gather<axis=-1>(emb, ids)
-}}""")
-    assert inputs_of(cli, tmp_path, path)["ids"]["range"] == [0, 3]
-
-
-def test_masks_through_arithmetic_or_where_keep_0_or_1(cli, tmp_path):
-    path = graph(tmp_path, """
-g (int64[2, 4] mask, float[2, 4] x) => (float[2, 4] y) <int64 zero = {0}, float minus = {-1e9}> {
-    f = Cast<to=1>(mask)
-    scaled = Mul(x, f)
-    keep = Equal(mask, zero)
-    y = Where(keep, minus, scaled)
-}""")
-    mask = inputs_of(cli, tmp_path, path)["mask"]
-    assert mask["range"] == [0, 1] and mask["range_from"] == "the default: no Gather indexes with it"
-
-
-def test_an_input_that_is_also_a_size_keeps_0_or_1(cli, tmp_path):
-    """Past a Range (a count), a larger value could fail the run: the range stays [0, 1]."""
-    path = graph(tmp_path, f"""
-g (int64 n) => (float[2] y, float[N, 2] z) <{table(10, "emb")}, int64 zero = {{0}}, int64 one = {{1}}> {{
-    ids = Range(zero, n, one)
-    y = Gather(emb, n)
-    z = Gather(emb, ids)
-}}""")
-    n = inputs_of(cli, tmp_path, path)["n"]
-    assert n["range"] == [0, 1]
-    assert n["range_from"] == "the default: it feeds Range, whose valid values verify cannot tell"
-
-
-def test_a_gather_inside_a_subgraph_bounds_the_input(cli, tmp_path):
+def test_a_gather_inside_a_subgraph_bounds_the_input_and_a_bool_stays_bool(tmp_path):
     path = graph(tmp_path, f"""
 g (int64[3] ids, bool c) => (float[3, 2] y) <{table(10, "emb")}> {{
     y = If(c) <then_branch = g1 () => (float[3, 2] a) {{ a = Gather(emb, ids) }},
                 else_branch = g2 () => (float[3, 2] b) {{ narrow = Cast<to=6>(ids)
                                                         b = Gather(emb, narrow) }}>
 }}""")
-    found = inputs_of(cli, tmp_path, path)
-    assert found["ids"]["range"] == [0, 9]
-    assert found["c"] == {"name": "c", "dtype": "bool", "shape": [], "source": "random"}  # a bool stays bool
-
-
-def test_a_gather_of_a_computed_table_of_unknown_size_keeps_0_or_1(cli, tmp_path):
-    path = graph(tmp_path, f"""
-g (int64[3] ids) => (float[3, 2] y) <{table(10, "emb")}, float two = {{2.0}}> {{
-    doubled = Mul(emb, two)
-    y = Gather(doubled, ids)
-}}""")
-    ids = inputs_of(cli, tmp_path, path)["ids"]
-    assert ids["range"] == [0, 1]
-    assert ids["range_from"] == ("the default: it feeds a Gather of a table of unknown size, whose valid "
-                                 "values verify cannot tell")
-
-
-def test_a_gather_of_a_constant_node_uses_its_rows(cli, tmp_path):
-    path = graph(tmp_path, f"""
-g (int64[3] ids) => (float[3, 2] y) {{
-    emb = Constant<value = {table(5, "emb_value")}>()
-    y = Gather(emb, ids)
-}}""")
-    ids = inputs_of(cli, tmp_path, path)["ids"]
-    assert ids["range"] == [0, 4] and ids["range_from"] == "Gather of 'emb', 5 rows"
-
-
-def test_an_integer_input_the_graph_only_passes_through_keeps_0_or_1(tmp_path):
-    path = graph(tmp_path, """
-g (uint8[4] x) => (uint8[4] y) {
-    y = Identity(x)
-}""")
     report = api.verify(str(path), str(path))
-    assert report.inputs[0]["range"] == [0, 1]
-
-
-@pytest.mark.parametrize("dtype, largest", [("uint8", 255), ("int8", 127)])
-def test_a_narrow_input_type_caps_the_range(tmp_path, dtype, largest):
-    path = graph(tmp_path, f"""
-g ({dtype}[4] ids) => (float[4, 2] y) <{table(300, "emb")}> {{
-    wide = Cast<to=7>(ids)
-    y = Gather(emb, wide)
-}}""")
-    report = api.verify(str(path), str(path))
-    assert report.inputs[0]["range"] == [0, largest]
+    ids, c = report.inputs
+    assert (ids["range"], ids["range_from"]) == ([0, 9], GATHER_OF_10)
+    assert c == {"name": "c", "dtype": "bool", "shape": [], "source": "random"}

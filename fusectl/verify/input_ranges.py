@@ -13,7 +13,7 @@ size the graph does not declare): a value out of its range would make onnxruntim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 from ..errors import printable, quote
 
@@ -37,8 +37,8 @@ DEFAULT = IntegerRange(0, 1, DEFAULT_REASON)
 # Unsqueeze's axes or a Slice's starts are sizes, not values passed on)
 _PASS_ON = frozenset({"Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Expand", "Transpose",
                       "Slice", "Tile", "Split", "Gather"})
-# ops that compute with the values but give any of them a meaning (arithmetic, comparisons,
-# Where, the shape of it): a larger value cannot make them fail
+# ops for which any value is valid (arithmetic, comparisons, Where, the shape of it): a larger
+# value cannot make them fail; what they compute is not followed further
 _ANY_VALUE = frozenset({
     "Add", "Sub", "Mul", "Div", "Mod", "Pow", "Neg", "Abs", "Sign", "Max", "Min", "Sum", "Mean", "Clip",
     "MatMul", "CumSum", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or",
