@@ -549,9 +549,16 @@ def map_cmd(ckpt, graph, as_json, config_path):
 def export_cmd(ckpt, graph, out, force, as_json, config_path):
     """Write GRAPH rewritten to take CKPT's (fused) parameters as its initializers.
 
-    MatMul/Gemm consumers of a fused weight that share an input become one MatMul (+ bias
-    Add) and a Split; weight_norm/spectral_norm subgraphs become the folded initializer;
-    Conv + BatchNormalization becomes one Conv; tied parameters are stored once.
+    Every weight GRAPH holds (initializers and Constant nodes, also inside If/Loop/Scan
+    bodies) is replaced by the checkpoint tensor it equals, or the export is refused; the
+    graph's own tensors it keeps (shapes, scalars, tables) are listed (--json:
+    kept_constants). MatMul consumers of the parts of a fused weight that share an input
+    become one MatMul (+ bias Add) and a Split; Gemm consumers likewise become one Gemm and
+    a Split when their alpha, beta and transA are equal (transB 0 or 1) and their biases
+    are the parts of one fused bias, 1-D, or absent. Other groups stay as they are and are
+    listed (--json: not_fused). weight_norm/spectral_norm subgraphs become the folded
+    initializer; Conv + BatchNormalization becomes one Conv; tied parameters are stored
+    once. OUT must end in .onnx.
 
     \b
     Example:
@@ -561,11 +568,20 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
     """
     report = api.export(_open(ckpt, config_path), graph, out, force=force, on_note=_note)
     if as_json:
-        _emit_json(report.__dict__)
-    else:
-        click.echo(f"wrote {out}: {report.initializers} initializers; {report.fused_matmuls} fused MatMul(s), "
-                   f"{report.folded} folded step(s), {report.rebound} initializer use(s) rebound"
-                   + ("; external data" if report.external_data else ""))
+        _emit_json(report.to_json())
+        return
+    click.echo(f"wrote {out}: {report.initializers} initializers; {report.fused_matmuls} fused MatMul/Gemm "
+               f"group(s), {report.folded} folded step(s), {report.rebound} graph tensor use(s) rebound"
+               + ("; external data" if report.external_data else ""))
+    for group in report.not_fused:
+        click.echo(f"not fused: {_names(group['consumers'])} on parts of {printable(group['weight'])}: "
+                   f"{printable(group['why'])}")
+    if report.kept_constants:
+        whys = sorted({k["why"] for k in report.kept_constants})
+        own = [k["name"] for k in report.kept_constants if k["why"] == "graph-own"]
+        click.echo(f"kept {len(report.kept_constants)} graph tensor(s) of its own: "
+                   + ", ".join(f"{sum(k['why'] == why for k in report.kept_constants)} {why}" for why in whys)
+                   + (f" ({_names(own[:5])}{', …' if len(own) > 5 else ''})" if own else ""))
 
 
 class _NamedSizesType(click.ParamType):

@@ -492,7 +492,7 @@ g (float[4,4] xx) => (float[2,4] q, float[2,4] k, float[2,4] v)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_parts_a_gemm_reads_without_a_transpose_stay_gemms(cli, tmp_path):
+def test_gemms_reading_the_parts_without_a_transpose_fuse_into_one_gemm(cli, tmp_path):
     tensors = qkv_tensors(bias=True)
     ckpt = fused(cli, tmp_path, tensors, QKV)
     declared = ", ".join(f"float[4,4] a.{n}.weight, float[4] a.{n}.bias" for n in "qkv")
@@ -502,8 +502,8 @@ g (float[2,4] x) => (float[2,4] q, float[2,4] k, float[2,4] v) <{declared}> {{
   {lines}
 }}""", tensors)
     out = tmp_path / "out.onnx"
-    assert ok(cli("export", ckpt, "--graph", graph, "-o", out, "--json")).json()["fused_matmuls"] == 0
-    assert op_counts(out)["Gemm"] == 3
+    assert ok(cli("export", ckpt, "--graph", graph, "-o", out, "--json")).json()["fused_matmuls"] == 1
+    assert (op_counts(out)["Gemm"], op_counts(out)["Split"]) == (1, 1)
     x = rng.standard_normal((2, 4)).astype(np.float32)
     for got, expected in zip(run(out, x=x), run(graph, x=x)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -4,22 +4,28 @@ checkpoint's parameters, as onnx-ir passes over a lazily loaded model.
 ``export_passes`` lists the rewrite (the passes are in ``fusectl.onnx.passes``, the state they
 share in one ``ExportContext``):
 
-1. ``PairInitializersPass``: the graph's initializers are paired (``namemap``) with the names
-   the checkpoint had before its recorded plan and set aside; Conv + BatchNorm folds the
-   exporter made take the fold of the checkpoint's tensors; stale weights are refused.
+1. ``PairInitializersPass``: the graph's tensors — initializers and Constant nodes, in the main
+   graph and in If/Loop/Scan bodies (``graph_tensors``) — are paired (``namemap``) with the
+   names the checkpoint had before its recorded plan and set aside (a paired initializer that
+   is also a graph input stops being one); Conv + BatchNorm folds the exporter made take the
+   fold of the checkpoint's tensors; stale weights (a graph tensor shaped like a checkpoint
+   tensor it does not equal) are refused.
 2. ``FoldReparametrizationsPass``: each numeric step folds itself in the graph
    (``op.fold_in_graph``) — a weight_norm or spectral_norm subgraph over initializers becomes
    the folded weight; Conv/Gemm/ConvTranspose + BatchNormalization becomes one layer.
 3. ``TopologicalSortPass``, ``RemoveUnusedNodesPass`` (onnx-ir's): the folded subgraphs go,
    so their initializers are not rebuilt.
-4. ``RebindInitializersPass``: every set-aside initializer still in use is rebuilt from the
+4. ``RebindInitializersPass``: every set-aside tensor still in use is rebuilt from the
    checkpoint's unique parameters: the same tensor, its transpose, or ONNX nodes that un-fuse
    a layout step (``op.onnx_unfuse``). Tied parameters are one initializer.
-5. ``FuseSharedMatMulPass``: MatMul consumers of the parts of one fused weight that share
-   their input become one MatMul (+ one bias Add) followed by a Split.
+5. ``FuseSharedMatMulPass``: MatMul or Gemm consumers of the parts of one fused weight that
+   share their input become one MatMul (+ one bias Add) or one Gemm followed by a Split;
+   groups that cannot be fused are reported (``ExportReport.not_fused``).
 6. ``TopologicalSortPass``, ``RemoveUnusedNodesPass``: new nodes were appended after their
    users; unused nodes and initializers go.
-7. ``RefuseLeftoverGraphWeightsPass``: no set-aside initializer of the graph may be left.
+7. ``RefuseLeftoverGraphWeightsPass``: no set-aside tensor of the graph may be left in use, and
+   the graph must compute with the checkpoint; the graph's own tensors still in use are
+   reported (``ExportReport.kept_constants``).
 
 The model is then saved (tensors streamed from the checkpoint) and checked with
 ``onnx.checker`` by path. Past ``EXTERNAL_DATA_THRESHOLD`` its tensors go to ``OUT.data``
@@ -31,12 +37,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 from onnx_ir.passes import InvariantError, PassError, PassResult, Sequential
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
+from ..errors import OutputError, printable
 from ..io.atomic import atomic_output, temporary_name
 from ..io.checkpoint import Checkpoint
 from .export_context import ExportContext, ExportError, IRBuilder
@@ -44,7 +51,7 @@ from .graph import load_model
 from .passes import (FoldReparametrizationsPass, FuseSharedMatMulPass, PairInitializersPass,
                      RebindInitializersPass, RefuseLeftoverGraphWeightsPass)
 
-__all__ = ["EXTERNAL_DATA_THRESHOLD", "ExportError", "ExportReport", "IRBuilder", "export_model",
+__all__ = ["EXTERNAL_DATA_THRESHOLD", "ExportError", "ExportReport", "IRBuilder", "check_onnx_output", "export_model",
            "export_passes", "run_passes"]
 
 EXTERNAL_DATA_THRESHOLD = 2 * 10**9  # protobuf cannot hold a model past 2 GB
@@ -52,8 +59,17 @@ EXTERNAL_DATA_THRESHOLD = 2 * 10**9  # protobuf cannot hold a model past 2 GB
 
 @dataclass
 class ExportReport:
-    """What ``export_model`` wrote: the output, its initializer count, and how many MatMul
-    groups were fused, numeric steps folded and graph initializers rebound."""
+    """What ``export_model`` wrote: the output, its initializer count, how many MatMul/Gemm
+    groups were fused, numeric steps folded and graph tensor uses rebound; the groups of
+    MatMul/Gemm consumers of a fused weight left unfused, and the graph's own tensors kept.
+
+    ``not_fused``: ``[{"weight", "consumers", "why"}]``, the fused parameter, the nodes
+    reading its parts on one input, and why they stay apart. ``kept_constants``: ``[{"name",
+    "where", "kind", "dtype", "shape", "why"}]``, every initializer or Constant the output
+    computes with that is not the checkpoint's, sorted by name: ``why`` is ``integer``
+    (integer or bool: shapes, axes, indices), ``scalar`` (one element) or ``graph-own`` (a
+    float tensor no unpaired checkpoint tensor has the shape of: a rotary table, a mask).
+    """
 
     output: str
     initializers: int
@@ -61,6 +77,14 @@ class ExportReport:
     folded: int
     rebound: int
     external_data: bool
+    not_fused: list[dict] = field(default_factory=list)
+    kept_constants: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        """The documented ``export --json`` object."""
+        return {"output": self.output, "initializers": self.initializers, "fused_matmuls": self.fused_matmuls,
+                "folded": self.folded, "rebound": self.rebound, "external_data": self.external_data,
+                "not_fused": self.not_fused, "kept_constants": self.kept_constants}
 
 
 def export_passes(ctx: ExportContext) -> Sequential:
@@ -80,7 +104,9 @@ def export_passes(ctx: ExportContext) -> Sequential:
 
 def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bool = False,
                  on_note=None) -> ExportReport:
-    """Rewrite ``graph_path`` (exported from the unfused model) to consume ``checkpoint``."""
+    """Rewrite ``graph_path`` (exported from the unfused model) to consume ``checkpoint``;
+    OutputError unless ``out`` names an ``.onnx`` file."""
+    check_onnx_output(out)
     model = load_model(graph_path)
     opset = model.opset_imports.get("", 0)
     if opset < 13:  # the un-fuse nodes take Split sizes and Squeeze/Unsqueeze axes as inputs
@@ -91,8 +117,19 @@ def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bo
     external = total > EXTERNAL_DATA_THRESHOLD
     _save(model, out, external=external, force=force, on_note=on_note,
           inputs=[graph_path, *checkpoint.input_paths()])
-    return ExportReport(out, len(model.graph.initializers), ctx.counts.fused_matmuls, ctx.counts.folded,
-                        ctx.counts.rebound, external)
+    counts = ctx.counts
+    return ExportReport(out, len(model.graph.initializers), counts.fused_matmuls, counts.folded, counts.rebound,
+                        external, counts.not_fused, counts.kept_constants)
+
+
+def check_onnx_output(out: str) -> None:
+    """OutputError unless ``out`` ends in ``.onnx``: export writes one ONNX model, and a name
+    without the suffix (``-o o4``) would be a file no tool takes for one."""
+    if out.endswith(".onnx") and os.path.basename(out) != ".onnx":
+        return
+    suffix = os.path.splitext(out.rstrip(os.sep))[1]
+    what = f"not {printable(suffix)}" if suffix else "a name without the .onnx suffix"
+    raise OutputError(f"{printable(out)}: fusectl export writes an ONNX model, {what}; choose OUT.onnx")
 
 
 def run_passes(passes: Sequential, model: ir.Model) -> PassResult:

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from ..errors import PlanError
 from ..io.checkpoint import Checkpoint
 from ..plan import Plan
+from .graph_tensors import GraphTensor
 
 # the graph's paired initializers are renamed with this prefix, freeing their names for the
 # checkpoint's parameters; the passes rebind their uses, and none may be left in use
@@ -33,16 +34,18 @@ class IRBuilder:
     def __init__(self, graph: ir.Graph):
         self.graph, self.count = graph, 0
 
-    def node(self, op: str, inputs, n_out: int = 1, **attrs) -> list[ir.Value]:
+    def node(self, op: str, inputs, n_out: int = 1, *, into: ir.Graph | None = None, **attrs) -> list[ir.Value]:
+        """Append an ``op`` node to the main graph, or to ``into`` (a subgraph whose nodes
+        it computes for); its outputs are named ``fusectl_<op>_<n>``."""
         node = ir.node(op, inputs, attributes=attrs or None, num_outputs=n_out)
         for out in node.outputs:
             self.count += 1
             out.name = f"fusectl_{op.lower()}_{self.count}"
-        self.graph.append(node)
+        (into if into is not None else self.graph).append(node)
         return list(node.outputs)
 
-    def one(self, op: str, inputs, **attrs) -> ir.Value:
-        return self.node(op, inputs, 1, **attrs)[0]
+    def one(self, op: str, inputs, *, into: ir.Graph | None = None, **attrs) -> ir.Value:
+        return self.node(op, inputs, 1, into=into, **attrs)[0]
 
     def ints(self, values) -> ir.Value:
         return self.constant(np.asarray(list(values), np.int64))
@@ -57,26 +60,34 @@ class IRBuilder:
 
 @dataclass(frozen=True)
 class Pairing:
-    """The graph initializers ``PairInitializersPass`` paired and set aside (``SET_ASIDE``).
+    """The graph tensors ``PairInitializersPass`` paired and set aside (``SET_ASIDE``).
 
-    ``by_name``: a name the checkpoint had before its plan → the graph initializers holding
-    that tensor, each with whether it holds it transposed. ``direct``: a graph initializer
-    the exporter already made in the fused layout (an LSTM's packed W/R/B) → the checkpoint
-    tensor it holds, and whether transposed; ``direct_names`` those checkpoint tensors.
+    ``by_name``: a name the checkpoint had before its plan → the graph tensors (initializers
+    or Constant outputs, at any depth) holding that tensor, each with whether it holds it
+    transposed. ``direct``: a graph tensor the exporter already made in the fused layout (an
+    LSTM's packed W/R/B), by key → its value, the checkpoint tensor it holds, and whether
+    transposed; ``direct_names`` those checkpoint tensors. ``aside``: every tensor set aside
+    (none may be in use once the rewrite is done); ``unpaired``: the graph's own tensors,
+    kept where still in use and reported (``ExportReport.kept_constants``).
     """
 
     by_name: dict[str, list[tuple[ir.Value, bool]]]
-    direct: dict[str, tuple[str, bool]]
+    direct: dict[str, tuple[ir.Value, str, bool]]
     direct_names: frozenset[str]
+    aside: tuple[GraphTensor, ...] = ()
+    unpaired: tuple[GraphTensor, ...] = ()
 
 
 @dataclass
 class ExportCounts:
-    """What the report counts: steps folded, graph initializers rebound, MatMuls fused."""
+    """What the report counts: steps folded, graph tensor uses rebound, MatMul/Gemm groups
+    fused; the groups left unfused and the graph constants kept, as the report lists them."""
 
     folded: int = 0
     rebound: int = 0
     fused_matmuls: int = 0
+    not_fused: list[dict] = field(default_factory=list)
+    kept_constants: list[dict] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -128,7 +139,8 @@ class ExportContext:
             ir.convenience.replace_all_uses_with(old, new)
             return
         if new.is_initializer() or new.is_graph_input() or new.is_graph_output():
-            new = self.builder.one("Identity", [new])  # an output is produced by a node of its own
+            # an output is produced by a node of its own, in the graph (or subgraph) it leaves
+            new = self.builder.one("Identity", [new], into=old.graph)
         ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
         name, old.name = old.name, None
         new.name, new.type, new.shape = name, old.type, old.shape

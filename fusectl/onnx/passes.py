@@ -7,16 +7,19 @@ others; ``fusectl.onnx.export.export_passes`` lists them in the order they run. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 
+from ..errors import quote
 from ..plan import Plan, Step, StepGroup
 from ..table import ParamTable
 from ..executor import recover_inputs
 from .export_context import SET_ASIDE, ExportContext, ExportError, Pairing
 from .exporter_folds import BatchNormFold, recognise_batchnorm_folds, same_within_tolerance
-from .graph import initializer_views
+from .graph_tensors import MAIN_GRAPH, GraphTensor, graph_tensors, tensor_views
 from .namemap import NameMap, map_names
 
 
@@ -66,9 +69,12 @@ class PairInitializersPass(ExportPass):
 
     def call(self, model: ir.Model) -> PassResult:
         ctx, graph = self.ctx, model.graph
-        readers, specs = initializer_views(model)
+        tensors = graph_tensors(model)
+        by_key = {t.key: t for t in tensors}
+        readers, specs = tensor_views(tensors)
         original = recover_inputs(ctx.checkpoint.table, ctx.plan)
         mapping = map_names(original, readers, specs)
+        _refuse_differing_constants(mapping, by_key)
         folds = recognise_batchnorm_folds(graph, original, mapping)
         explained_ckpt = set().union(*(f.checkpoint_names() for f in folds))
         explained_graph = set().union(*(f.graph_initializers() for f in folds))
@@ -76,27 +82,44 @@ class PairInitializersPass(ExportPass):
         for p in mapping.pairs:
             if p.data == "differs":
                 continue
-            value = graph.initializers[p.initializer]
-            by_name.setdefault(p.structural, []).append((value, p.how == "transposed"))
-        # the graph's paired initializers move aside, freeing their names for the checkpoint's
+            by_name.setdefault(p.structural, []).append((by_key[p.initializer].value, p.how == "transposed"))
         # initializers the exporter already made in the fused layout: paired with the
         # checkpoint's own tensors
         rest = [n for n in mapping.unmatched_graph if n not in explained_graph]
         direct = map_names(ctx.checkpoint.table, {n: readers[n] for n in rest}, {n: specs[n] for n in rest})
-        _refuse_stale_weights(ctx, original, mapping, direct, specs, explained_ckpt)
-        aside = {p.initializer for p in mapping.pairs} | {p.initializer for p in direct.pairs}
-        for name in aside:
-            value = graph.initializers.pop(name)
-            value.name = f"{SET_ASIDE}{name}"
-            graph.register_initializer(value)
+        _refuse_stale_weights(ctx, original, mapping, direct, by_key, explained_ckpt)
+        # the graph's paired tensors move aside, freeing their names for the checkpoint's
+        aside = sorted({p.initializer for p in mapping.pairs} | {p.initializer for p in direct.pairs})
+        for key in aside:
+            _set_aside(by_key[key])
         for fold in folds:
             _use_checkpoint_fold(ctx, fold)
+        set_aside = set(aside) | explained_graph
         ctx.pairing = Pairing(
             by_name,
-            {p.initializer: (p.structural, p.how == "transposed") for p in direct.pairs},
+            {p.initializer: (by_key[p.initializer].value, p.structural, p.how == "transposed") for p in direct.pairs},
             frozenset(p.structural for p in direct.pairs),
+            aside=tuple(by_key[k] for k in aside),
+            unpaired=tuple(t for t in tensors if t.key not in set_aside),
         )
         return PassResult(model, bool(aside or folds))
+
+
+def _set_aside(tensor: GraphTensor) -> None:
+    """Rename a paired graph tensor ``fusectl_graph/NAME``. A paired initializer that is also
+    a graph input (``keep_initializers_as_inputs=True``) stops being one: the checkpoint's
+    parameter that replaces it is an initializer only, so onnxruntime treats it as a constant
+    (it cannot fold or pre-pack an initializer a caller may override)."""
+    value, graph = tensor.value, tensor.graph
+    name = value.name
+    if tensor.kind == "initializer":
+        graph.initializers.pop(name)
+        value.name = f"{SET_ASIDE}{name}"
+        graph.register_initializer(value)
+        if value in graph.inputs:
+            graph.inputs.remove(value)
+    else:
+        value.name = f"{SET_ASIDE}{name}"
 
 
 def _use_checkpoint_fold(ctx: ExportContext, fold: BatchNormFold) -> None:
@@ -108,26 +131,48 @@ def _use_checkpoint_fold(ctx: ExportContext, fold: BatchNormFold) -> None:
     ctx.counts.folded += 1
 
 
+def _refuse_differing_constants(mapping: NameMap, by_key: dict[str, GraphTensor]) -> None:
+    """A Constant or subgraph initializer named like a checkpoint tensor but holding other data
+    is a stale weight (only the main graph's Conv initializers can hold an exporter's fold)."""
+    for p in mapping.differing():
+        tensor = by_key[p.initializer]
+        if tensor.kind != "initializer" or tensor.where != MAIN_GRAPH:
+            raise ExportError(f"graph {tensor.describe()} has the name of checkpoint tensor {quote(p.structural)} "
+                              "but holds other data; was the graph exported from the model this checkpoint "
+                              "was fused from?")
+
+
 def _refuse_stale_weights(ctx: ExportContext, original: ParamTable, mapping: NameMap, direct: NameMap,
-                          specs, explained: set[str]) -> None:
-    """An unpaired graph initializer shaped like an unpaired checkpoint tensor is a weight
-    whose data differs: keeping it would export the graph's old weight silently."""
+                          by_key: dict[str, GraphTensor], explained: set[str]) -> None:
+    """An unpaired graph tensor (initializer or Constant, at any depth) shaped like an unpaired
+    checkpoint tensor is a weight whose data differs: keeping it would export the graph's old
+    weight silently. One-element tensors are never taken for weights."""
+    paired = {p.structural for p in mapping.pairs}
     unpaired = [n for n in mapping.unmatched_checkpoint if original[n].has_data()
-                and n not in {p.structural for p in mapping.pairs} and n not in explained]
+                and n not in paired and n not in explained]
     shapes = {}
-    for name in unpaired:
+    for name in sorted(unpaired):
         spec = original.spec(name)
         shapes.setdefault((str(spec.dtype.numpy), spec.shape), name)
         shapes.setdefault((str(spec.dtype.numpy), spec.shape[::-1]), name)
-    for initializer in direct.unmatched_graph:
-        dtype, shape = specs[initializer]
-        name = shapes.get((dtype, tuple(shape)))
-        if name is not None and len(shape) >= 1 and int(np.prod(shape)) > 1:
-            raise ExportError(
-                f"graph initializer {initializer!r} {list(shape)} pairs with no tensor of "
-                f"{ctx.checkpoint.path}, though {name!r} has its shape: their data differ. Was "
-                f"{ctx.graph_path} exported from the model this checkpoint was fused from?"
-            )
+    stale = []
+    for key in direct.unmatched_graph:  # sorted
+        tensor = by_key[key]
+        name = shapes.get((tensor.dtype, tensor.shape))
+        if name is not None and len(tensor.shape) >= 1 and tensor.size > 1:
+            stale.append((tensor, name))
+    if stale:
+        tensor, name = stale[0]
+        where = "" if tensor.where == MAIN_GRAPH else f" ({tensor.where})"
+        others = [t.describe() for t, _ in stale[1:]]
+        also = (f"; so do {len(others)} more ({'; '.join(others[:4])}{', …' if len(others) > 4 else ''})"
+                if others else "")
+        raise ExportError(
+            f"graph {tensor.kind} {quote(tensor.key)} {list(tensor.shape)}{where} pairs with no tensor of "
+            f"{ctx.checkpoint.path}, though {quote(name)} has its shape: their data differ{also}. Was "
+            f"{ctx.graph_path} exported from the model this checkpoint was fused from? A graph's weights are "
+            "replaced only by checkpoint tensors equal to them (by name, content or transposed content)"
+        )
 
 
 # -- 2. numeric steps --------------------------------------------------------------------------
@@ -301,9 +346,8 @@ class RebindInitializersPass(PairedExportPass):
                     raise ExportError(f"the graph uses {name!r} (initializer {old.name.split('/', 1)[-1]!r}), "
                                       f"which {ctx.checkpoint.path} cannot provide")
                 ctx.rebind(old, available[name](), transposed)
-        for initializer, (name, transposed) in pairing.direct.items():
-            old = model.graph.initializers.get(f"{SET_ASIDE}{initializer}")
-            if old is not None and old.uses():  # a fold may have replaced its uses already
+        for old, name, transposed in pairing.direct.values():
+            if old.uses():  # a fold may have replaced its uses already
                 ctx.rebind(old, ctx.param(name), transposed)
         return PassResult(model, ctx.counts.rebound > before)
 
@@ -331,40 +375,120 @@ class RebindInitializersPass(PairedExportPass):
         return available
 
 
-# -- 4. one MatMul for the parts of a fused weight -----------------------------------------------
+# -- 4. one MatMul or Gemm for the parts of a fused weight ----------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Projection:
+    """A MatMul or Gemm multiplying by part ``part`` of a split fused weight; ``oriented``:
+    whether it multiplies by the part as the fused layout's projection ([out, in] parts used
+    transposed, [in, out] parts as they are)."""
+
+    node: ir.Node
+    part: int
+    oriented: bool
+
+    @property
+    def label(self) -> str:
+        return self.node.name or self.node.outputs[0].name
 
 
 class FuseSharedMatMulPass(PairedExportPass):
-    """MatMul consumers of the parts of one fused weight (Split → Transpose → MatMul) that
-    share their input become one MatMul followed by a Split; when each is followed by an Add
-    of the parts of one fused bias, one Add of the fused bias comes before the Split."""
+    """MatMul and Gemm consumers of the parts of one fused weight that share their input become
+    one MatMul or Gemm on the fused weight followed by a Split of its output.
+
+    The parts come from the Split that un-fuses a weight concatenated on axis 0 ([out, in]:
+    Linear's layout, read through a Transpose by MatMul, by Gemm with transB=1 or through a
+    Transpose with transB=0) or on axis 1 ([in, out]: Conv1D's, read as they are). A group
+    fuses when, on one input and in one graph (a subgraph's consumers are fused inside it),
+    every part has exactly one consumer and they are all MatMul — when each is followed by an
+    Add of the parts of one fused bias, one Add of that bias comes before the Split — or all
+    Gemm with equal alpha, beta and transA whose biases C are the parts of one fused bias,
+    1-D tensors joined by a Concat, or absent. Any other group is left as it is and reported
+    in ``ExportCounts.not_fused`` with the reason.
+    """
 
     def call(self, model: ir.Model) -> PassResult:
-        ctx, b = self.ctx, self.ctx.builder
+        ctx = self.ctx
         before = ctx.counts.fused_matmuls
         for split in [n for n in model.graph if n.op_type == "Split"]:
             source = split.inputs[0]
-            if not ctx.is_param(source) or split.attributes.get("axis") is None:
+            if not ctx.is_param(source) or len(source.shape or ()) != 2:
                 continue
-            if split.attributes["axis"].value != 0 or len(source.shape or ()) != 2:
+            if len(split.inputs) < 2 or split.inputs[1] is None or split.inputs[1].const_value is None:
                 continue
-            matmuls = _matmuls_on_parts(split)
-            if matmuls is None or len({id(m.inputs[0]) for m in matmuls}) != 1:
-                continue
-            x = matmuls[0].inputs[0]
-            sizes = split.inputs[1].const_value.numpy().tolist()
-            y = b.one("MatMul", [x, b.one("Transpose", [source], perm=[1, 0])])
-            outs = [m.outputs[0] for m in matmuls]
+            axis = split.attributes["axis"].as_int() % 2 if "axis" in split.attributes else 0
+            groups: dict[tuple[int, int], list[_Projection]] = {}
+            for projection in _projections(split, axis):
+                node = projection.node
+                groups.setdefault((id(node.graph), id(node.inputs[0])), []).append(projection)
+            for members in groups.values():
+                why = self._fuse(split, axis, members)
+                if why is not None:
+                    ctx.counts.not_fused.append({"weight": source.name, "consumers": sorted(m.label for m in members),
+                                                 "why": why})
+        return PassResult(model, ctx.counts.fused_matmuls > before)
+
+    def _fuse(self, split: ir.Node, axis: int, members: list[_Projection]) -> str | None:
+        """Fuse one group of consumers on one input; the reason it cannot be, else None."""
+        ctx, b = self.ctx, self.ctx.builder
+        kinds = sorted({m.node.op_type for m in members})
+        if len(kinds) > 1:
+            return "the consumers on this input mix MatMul and Gemm"
+        read = sorted(m.part for m in members)
+        if read != list(range(len(split.outputs))):
+            return (f"the consumers on this input read parts {read} of {len(split.outputs)}; "
+                    "fusing needs each part read once")
+        if not all(m.oriented for m in members):
+            return "a consumer multiplies by its part in the fused layout's other orientation"
+        members = sorted(members, key=lambda m: m.part)
+        nodes = [m.node for m in members]
+        x, source, graph = nodes[0].inputs[0], split.inputs[0], nodes[0].graph
+        sizes = split.inputs[1].const_value.numpy().tolist()
+        outs = [n.outputs[0] for n in nodes]
+        if kinds == ["MatMul"]:
+            weight = b.one("Transpose", [source], into=graph, perm=[1, 0]) if axis == 0 else source
+            y = b.one("MatMul", [x, weight], into=graph)
             bias = self._shared_bias(outs)
             if bias is not None:
                 bias_source, adds = bias
-                y = b.one("Add", [y, bias_source])
+                y = b.one("Add", [y, bias_source], into=graph)
                 outs = [a.outputs[0] for a in adds]
-            parts = b.node("Split", [y, b.ints(sizes)], len(sizes), axis=-1)
-            for old, new in zip(outs, parts):
-                ctx.replace(old, new)
-            ctx.counts.fused_matmuls += 1
-        return PassResult(model, ctx.counts.fused_matmuls > before)
+        else:
+            attrs = {_gemm_attributes(n) for n in nodes}
+            if len(attrs) != 1:
+                return f"their Gemm attributes (alpha, beta, transA) differ: {sorted(attrs)}"
+            alpha, beta, trans_a = attrs.pop()
+            biases = [n.inputs[2] if len(n.inputs) > 2 else None for n in nodes]
+            inputs = [x, source]
+            if any(c is not None for c in biases):
+                joined = self._joined_bias(biases, sizes, graph)
+                if joined is None:
+                    return ("their biases C do not join into one (each must be a part of one fused bias, "
+                            "or a 1-D tensor as long as its part's output)")
+                inputs.append(joined)
+            y = b.one("Gemm", inputs, into=graph, alpha=alpha, beta=beta, transA=trans_a,
+                      transB=1 if axis == 0 else 0)
+        parts = b.node("Split", [y, b.ints(sizes)], len(sizes), into=graph, axis=-1)
+        for old, new in zip(outs, parts):
+            ctx.replace(old, new)
+        ctx.counts.fused_matmuls += 1
+        return None
+
+    def _joined_bias(self, biases: list, sizes: list[int], graph: ir.Graph) -> ir.Value | None:
+        """One bias for a fused Gemm: the fused parameter the biases are split from, in order,
+        or a Concat of 1-D biases as long as their parts; None when they do not join."""
+        if any(c is None for c in biases):
+            return None
+        producer = biases[0].producer()
+        if (producer is not None and producer.op_type == "Split" and list(producer.outputs) == biases
+                and self.ctx.is_param(producer.inputs[0])):
+            return producer.inputs[0]
+        shapes = [tuple(c.const_value.shape) if c.const_value is not None else
+                  (tuple(c.shape) if c.shape is not None else None) for c in biases]
+        if shapes != [(n,) for n in sizes]:
+            return None
+        return self.ctx.builder.one("Concat", biases, into=graph, axis=0)
 
     def _shared_bias(self, outs):
         """(the fused bias, the Adds) when each of ``outs`` is added to a part of one split
@@ -387,35 +511,84 @@ class FuseSharedMatMulPass(PairedExportPass):
         return split.inputs[0], adds
 
 
-def _matmuls_on_parts(split: ir.Node) -> list[ir.Node] | None:
-    """The MatMul reading each output of ``split`` through one Transpose (as its right-hand
-    side, and nothing else reading it); None unless every output has one."""
-    matmuls = []
-    for part in split.outputs:
-        uses = part.uses()
-        if len(uses) != 1 or uses[0].node.op_type != "Transpose":
-            return None
-        transpose = uses[0].node
-        consumers = [u.node for u in transpose.outputs[0].uses()]
-        if (len(consumers) != 1 or consumers[0].op_type != "MatMul"
-                or consumers[0].inputs[1] is not transpose.outputs[0]):
-            return None
-        matmuls.append(consumers[0])
-    return matmuls
+def _projections(split: ir.Node, axis: int) -> list[_Projection]:
+    """Every MatMul or Gemm multiplying by an output of ``split`` (on ``axis`` of a 2-D
+    weight) as its right-hand side, directly or through one 2-D Transpose."""
+    # [out, in] parts (axis 0) are multiplied by transposed, [in, out] parts as they are
+    flips_wanted = 1 if axis == 0 else 0
+    found = []
+    for k, part in enumerate(split.outputs):
+        for use in part.uses():
+            reads = [(use.node, use.idx, 0)]
+            if use.node.op_type == "Transpose" and _is_2d_transpose(use.node):
+                reads = [(u.node, u.idx, 1) for u in use.node.outputs[0].uses()]
+            for node, idx, flips in reads:
+                if idx != 1 or node.op_type not in ("MatMul", "Gemm"):
+                    continue
+                if node.op_type == "Gemm" and "transB" in node.attributes:
+                    flips += node.attributes["transB"].as_int()
+                found.append(_Projection(node, k, flips % 2 == flips_wanted))
+    return found
+
+
+def _is_2d_transpose(node: ir.Node) -> bool:
+    perm = node.attributes.get("perm")
+    return perm is None or list(perm.as_ints()) == [1, 0]
+
+
+def _gemm_attributes(node: ir.Node) -> tuple[float, float, int]:
+    """A Gemm's (alpha, beta, transA), with ONNX's defaults."""
+    a = node.attributes
+    return (a["alpha"].as_float() if "alpha" in a else 1.0, a["beta"].as_float() if "beta" in a else 1.0,
+            a["transA"].as_int() if "transA" in a else 0)
 
 
 # -- 5. nothing of the graph's own weights is left -------------------------------------------------
 
 
 class RefuseLeftoverGraphWeightsPass(PairedExportPass):
-    """ExportError when the graph still uses an initializer set aside in pairing (run after
-    unused nodes and initializers are removed): fusectl could not take it from the checkpoint,
-    and saving it would export the graph's own weight. Changes nothing."""
+    """ExportError when the graph still uses a tensor set aside in pairing (run after unused
+    nodes and initializers are removed): fusectl could not take it from the checkpoint, and
+    saving it would export the graph's own weight; or when the graph computes with none of the
+    checkpoint's tensors. Set-aside subgraph initializers left without uses are removed. The
+    graph's own tensors still in use are recorded as kept (``ExportCounts.kept_constants``)."""
 
     def call(self, model: ir.Model) -> PassResult:
-        leftovers = [v.name.split("/", 1)[1] for v in model.graph.initializers.values()
-                     if v.name.startswith(SET_ASIDE)]
+        ctx, pairing = self.ctx, self.pairing
+        leftovers = sorted((t for t in pairing.aside if _in_use(t.value)), key=lambda t: t.key)
         if leftovers:
-            raise ExportError(f"the graph still uses {leftovers[:5]} that fusectl could not take from "
-                              f"{self.ctx.checkpoint.path}")
-        return PassResult(model, False)
+            detail = "; ".join(t.describe() for t in leftovers[:5])
+            raise ExportError(f"the graph still uses {[t.key for t in leftovers[:5]]} that fusectl could not take "
+                              f"from {ctx.checkpoint.path} ({detail}); saving them would export the graph's own "
+                              "weights. Was the graph exported from the unfused model of this checkpoint?")
+        removed = 0
+        for tensor in pairing.aside:
+            initializers = tensor.graph.initializers
+            if tensor.kind == "initializer" and initializers.get(tensor.value.name) is tensor.value:
+                del initializers[tensor.value.name]
+                removed += 1
+        if not ctx.params and not ctx.counts.folded and len(ctx.checkpoint.table.names()):
+            raise ExportError(f"{ctx.graph_path} computes with none of the tensors of {ctx.checkpoint.path}: no graph "
+                              "tensor (initializer or Constant) pairs with one by name, content or transposed "
+                              "content. Export the graph from the model this checkpoint was fused from")
+        kept = sorted((t for t in pairing.unpaired if _in_use(t.value)), key=lambda t: t.key)
+        ctx.counts.kept_constants = [{**t.to_json(), "why": _why_kept(t)} for t in kept]
+        return PassResult(model, bool(removed))
+
+
+def _in_use(value: ir.Value) -> bool:
+    return bool(value.uses()) or value.is_graph_output()
+
+
+# why a graph tensor that pairs with no checkpoint tensor is kept (``kept_constants``' "why")
+KEPT_INTEGER = "integer"  # integer or bool: a shape, an axis, indices, a mask
+KEPT_SCALAR = "scalar"  # one element: an epsilon, a scale
+KEPT_GRAPH_OWN = "graph-own"  # float, and no unpaired checkpoint tensor has its shape: a rotary table
+
+
+def _why_kept(tensor: GraphTensor) -> str:
+    if tensor.dtype.startswith(("int", "uint", "bool")):
+        return KEPT_INTEGER
+    if tensor.size <= 1:
+        return KEPT_SCALAR
+    return KEPT_GRAPH_OWN
