@@ -248,18 +248,22 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
 
 def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False):
     """Pair a checkpoint's structural names with the initializers of ``graph`` (an exporter's
-    ``.onnx``): by name, then by equal content, then by equal transposed content; a
+    ``.onnx``) and its float Constant or subgraph tensors of more than one element: by name,
+    then by equal content, then by equal transposed content; a
     :class:`~fusectl.onnx.namemap.NameMap`.
 
     >>> pairs = map_names("fixtures/onnx/bert/model.safetensors", "fixtures/onnx/bert/model.onnx")
     >>> len(pairs.pairs) > 0 and not pairs.differing()
     True
     """
-    from .onnx.graph import initializer_views, load_model
+    from .onnx.graph import load_model
+    from .onnx.graph_tensors import graph_tensors, tensor_views
     from .onnx.namemap import map_names as pair_names
 
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
-    readers, specs = initializer_views(load_model(os.fspath(graph)))
+    # weights may also be Constant nodes or live in If/Loop/Scan bodies (a frozen TorchScript export)
+    tensors = [t for t in graph_tensors(load_model(os.fspath(graph))) if t.may_be_weight]
+    readers, specs = tensor_views(tensors)
     return pair_names(checkpoint.table, readers, specs)
 
 
@@ -294,4 +298,4 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     cand = _checkpoint(candidate, config, follow_symlinks)
     rulesets = load_rulesets(ref, rules)
     return verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider, atol=atol, rtol=rtol,
-                              seed=seed, lora_base=lora_base_for(cand, rulesets, ref))
+                              seed=seed, lora_base=lora_base_for(cand, rulesets, ref), recorded=not rulesets)

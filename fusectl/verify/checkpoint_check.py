@@ -5,25 +5,31 @@
 2. where every step is invertible, the inverse of the candidate against the reference;
 3. every tie of the (replayed) reference is a tie of the candidate;
 4. each step kind once per distinct shape as a small onnxruntime computation: the layer on
-   the unfused parameters vs the layer on the fused ones (``probes``).
+   the unfused parameters vs the layer on the fused ones (``probes``);
+5. with the candidate's provenance as the plan, each recorded group re-derived from the rule
+   it names (``rule_checks``): a provenance whose steps its rules do not give fails, however
+   consistent its steps and data are with each other.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import PlanError, VerifyError
-from ..executor import Evaluation, is_exact, run_plan
+from ..errors import FusectlError, PlanError, RuleError, VerifyError, quote
+from ..executor import Evaluation, apply_group, is_exact, run_plan
 from ..adapters import LoraConfig, make_adapter_plan
 from ..io.checkpoint import Checkpoint, adapter_config
-from ..plan import Plan
-from ..planner import make_plan
+from ..plan import Plan, RuleOrigin, Step, StepGroup
+from ..planner import bind_rule, make_plan
+from ..rules.origin import load_origin
+from ..rules.presets import preset_names, preset_text
+from ..rules.schema import load_rules
 from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
 from .compare import check_tolerance, compare
-from ..quantization import scheme_from
+from ..quantization import QuantScheme, scheme_from
 from .adapter_probes import adapter_probes
 from .probes import run_probes
 from .report import Check, VerifyReport
@@ -106,8 +112,11 @@ def verify_checkpoints(
     rtol: float | None = None,
     seed: int = 0,
     lora_base: Plan | None = None,
+    recorded: bool = False,
 ) -> VerifyReport:
-    """Check that ``candidate`` is ``plan`` applied to ``reference`` (see the module doc)."""
+    """Check that ``candidate`` is ``plan`` applied to ``reference`` (see the module doc);
+    ``recorded``: the plan is the candidate's provenance, whose groups are re-derived from
+    their rules."""
     atol = None if atol is None else check_tolerance("atol", atol)
     rtol = None if rtol is None else check_tolerance("rtol", rtol)
     seed = check_seed(seed)
@@ -130,6 +139,8 @@ def verify_checkpoints(
         back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
         report.checks += compare_tables("inverse", reference.table, back, atol, rtol, proven=proven)
     report.checks += tie_checks(expected, candidate.table)
+    if recorded:
+        report.checks += rule_checks(reference, plan, adapter=lora_base is not None)
     probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
                                       scheme_from(reference.config))
     report.provider = chosen
@@ -173,3 +184,97 @@ def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -
     if done and plan.groups[:len(done)] == done:
         return Plan(plan.groups[len(done):])
     return plan
+
+
+def rule_checks(reference: Checkpoint, plan: Plan, adapter: bool = False) -> list[Check]:
+    """One check per recorded group with steps: bound again from the rule its provenance records,
+    on the reference as the groups before it left it, the rule must give exactly the recorded
+    steps (op, parameters, names, specs).
+
+    A group recorded with its rule's origin (the rules text and the config values its vars read)
+    is re-derived from that text. A group written before fusectl recorded origins is re-derived
+    only when it names a shipped preset (its text is known, the reference's config.json gives
+    the vars); otherwise the check passes with a note saying it could not be re-derived, since
+    the rule that made it is nowhere to be read (``-r RULES`` checks against the rules instead).
+    A LoRA adapter's groups are lifted from its base view and are noted the same way.
+    """
+    table = reference.table.copy()
+    checks = []
+    for group in plan.groups:
+        if group.steps:
+            checks.append(Check("rules", group.describe(), *_rederive(group, table, reference, adapter)))
+        apply_group(table, group, untie=True)
+    return checks
+
+
+def _rederive(group: StepGroup, table: ParamTable, reference: Checkpoint, adapter: bool) -> tuple[bool, None, str]:
+    """(passed, None, detail) for one recorded group."""
+    if adapter:
+        return True, None, "not re-derived: an adapter's steps are lifted from its base view"
+    try:
+        found = _recorded_rule(group, reference)
+    except RuleError as e:
+        return False, None, f"the recorded rules do not load: {e}"
+    if isinstance(found, str):
+        return True, None, f"not re-derived: {found}"
+    rule, origin, scheme = found
+    disagreeing = _config_disagreement(origin, reference)
+    if disagreeing:
+        return False, None, disagreeing
+    try:
+        steps = bind_rule(rule, table, scheme)
+    except FusectlError as e:
+        return False, None, f"the recorded rule does not bind to the reference: {e}"
+    for k, (got, want) in enumerate(zip(steps, group.steps)):
+        if _step_record(got) != _step_record(want):
+            return False, None, (f"step {k}: the provenance records {_describe(want)}, but the rule "
+                                 f"{quote(rule.name)} gives {_describe(got)}")
+    if len(steps) != len(group.steps):
+        return False, None, (f"the rule gives {len(steps)} step(s), the provenance records "
+                             f"{len(group.steps)}")
+    return True, None, f"{len(steps)} step(s) re-derived from the recorded rule"
+
+
+def _recorded_rule(group: StepGroup, reference: Checkpoint):
+    """The rule, origin and quantization scheme a group names, or why none can be read."""
+    origin = group.origin
+    if origin is not None:
+        ruleset = load_origin(origin, group.source)
+        if origin.rule >= len(ruleset.rules) or ruleset.rules[origin.rule].name != group.rule:
+            raise RuleError(f"{group.source} has no rule {quote(group.rule)} at index {origin.rule}")
+        return ruleset.rules[origin.rule], origin, QuantScheme(origin.block, "the provenance")
+    preset = group.source[len("preset "):] if group.source.startswith("preset ") else None
+    if preset is None or preset not in preset_names():
+        return ("the provenance predates recorded rules and names no shipped preset; re-fuse with this "
+                "fusectl to record them, or pass -r RULES to check against the rules")
+    try:
+        ruleset = load_rules(preset_text(preset), group.source, reference.config)
+    except RuleError as e:
+        return f"the provenance predates recorded rules and preset {preset} does not load here ({e})"
+    index = next((k for k, r in enumerate(ruleset.rules) if r.name == group.rule), None)
+    if index is None:
+        return f"the provenance predates recorded rules and preset {preset} has no rule {quote(group.rule)}"
+    scheme = scheme_from(reference.config, [(ruleset.block_size, ruleset.source)] if ruleset.block_size else [])
+    return ruleset.rules[index], RuleOrigin(preset_text(preset), index), scheme
+
+
+def _config_disagreement(origin: RuleOrigin, reference: Checkpoint) -> str:
+    """Why the recorded config values are not the reference's (empty when they agree)."""
+    config = reference.config if isinstance(reference.config, Mapping) else {}
+    for key, value in origin.config:
+        if key in config and config[key] != value:
+            return (f"the rule was bound with config {quote(key)} = {value}, but the reference's config.json "
+                    f"says {str(config[key])[:40]}")
+    return ""
+
+
+def _step_record(step: Step) -> tuple:
+    return (step.op.kind, step.op.params(), step.inputs, step.outputs, step.input_specs, step.output_specs)
+
+
+def _describe(step: Step) -> str:
+    return f"{step.op.kind} {_names(step.inputs)} -> {_names(step.outputs)} {step.op.params()}"
+
+
+def _names(names: Sequence[str]) -> str:
+    return "[" + ", ".join(quote(n) for n in names) + "]"
