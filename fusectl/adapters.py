@@ -18,8 +18,8 @@ then lifts each base step to the adapter through its op (``Op.lift`` with a :cla
 - along the input axis, the mirror image (A block-diagonal or split by columns, B side by side);
 - transpose: A' = Bᵀ, B' = Aᵀ.
 
-Everything else (numeric folds, stack/unstack of experts, DoRA magnitude vectors) is refused
-naming the rule and the adapter tensor. The scaling is kept exactly: a module whose rank changes
+Everything else (numeric folds, stack/unstack of experts) is refused naming the rule and the
+adapter tensor; DoRA adapters (``use_dora``, magnitude vectors) are refused before any rule binds. The scaling is kept exactly: a module whose rank changes
 gets ``rank_pattern`` / ``alpha_pattern`` entries; parts with different scalings are refused.
 """
 
@@ -125,7 +125,29 @@ class LoraModule:
 
 
 def lora_modules(table: ParamTable, lora: LoraConfig) -> dict[str, LoraModule]:
-    """The adapted modules of an adapter's table, by base module name."""
+    """The adapted modules of an adapter's table, by base module name, for lifting or probing
+    them; CheckpointError for a DoRA adapter (:func:`refuse_dora`) or a damaged one."""
+    refuse_dora(table, lora)
+    return _adapted_modules(table, lora)
+
+
+def refuse_dora(table: ParamTable, lora: LoraConfig) -> None:
+    """CheckpointError naming the adapter config when the adapter is DoRA: ``use_dora`` is
+    true (the flag alone makes it one: PEFT creates magnitude vectors missing from the file
+    when it loads it), or it holds magnitude vectors. DoRA rescales each row of W + s·B·A by
+    a magnitude vector over the row's norm, which no lift of A and B moves and no ΔW probe
+    checks."""
+    magnitude = next((n for n in table.names() if _DORA in n), None)
+    if not lora.use_dora and magnitude is None:
+        return
+    found = "use_dora is true" if lora.use_dora else f"the adapter holds DoRA magnitude vectors ({quote(magnitude)})"
+    raise CheckpointError(
+        f"{lora.where}: {found}: DoRA adapters are not supported (each row of W + s·B·A is rescaled by a "
+        "magnitude vector, which fusectl does not lift or verify); merge the adapter into its base model "
+        "(PEFT's merge_and_unload) and fuse the merged checkpoint instead")
+
+
+def _adapted_modules(table: ParamTable, lora: LoraConfig) -> dict[str, LoraModule]:
     found: dict[tuple[str, bool], dict[str, str]] = {}
     for name in table.names():
         if not name.startswith(PREFIX):
@@ -158,7 +180,7 @@ def adapter_report(table: ParamTable, lora: LoraConfig) -> dict:
         "r": lora.r, "lora_alpha": lora.alpha, "use_rslora": lora.use_rslora, "use_dora": lora.use_dora,
         "modules": {m: {"lora_A": info.a, "lora_B": info.b, "rank": info.rank, "alpha": info.alpha,
                         "scaling": lora.scaling(info.rank, info.alpha)}
-                    for m, info in lora_modules(table, lora).items()},
+                    for m, info in _adapted_modules(table, lora).items()},  # inspect shows DoRA ones too
     }
 
 
@@ -192,7 +214,6 @@ def make_adapter_plan(table: ParamTable, lora: LoraConfig, config_text: str, rul
     """Bind ``rulesets`` to the adapter's base view and lift each step to A and B; the last group
     rewrites ``adapter_config.json`` (target_modules, rank_pattern, alpha_pattern)."""
     modules = lora_modules(table, lora)
-    dora = next((n for n in table.names() if _DORA in n), None)
     base_plan, _ = make_plan(base_view(table, modules), rulesets, untie=True, config=config)
     current = table.copy()
     groups: list[StepGroup] = []
@@ -202,9 +223,6 @@ def make_adapter_plan(table: ParamTable, lora: LoraConfig, config_text: str, rul
         steps: list[Step] = []
         for step in group.steps:
             lift = LoraLift(step, current, modules, lora, group.describe())
-            if dora is not None:
-                lift.refuse(f"the adapter is DoRA ({dora!r}): its magnitude vectors are per output "
-                            "row of the merged weight, which fusectl does not lift")
             step.op.lift(lift)
             steps.extend(lift.steps)
             for module in lift.consumed:
