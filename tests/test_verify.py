@@ -81,7 +81,7 @@ def test_checkpoint_mode_passes_and_writes_reports(tmp_path):
     doc = json.loads(report.read_text())
     assert doc["passed"] and doc["mode"] == "checkpoint" and doc["provider"] == CPU
     kinds = {c["kind"] for c in doc["checks"]}
-    assert kinds == {"tensor", "inverse", "probe"}
+    assert kinds == {"tensor", "inverse", "probe", "rules"}
     probes = [c for c in doc["checks"] if c["kind"] == "probe"]
     assert len(probes) == 2  # concat q/k/v and gate/up, once per distinct shape
     suite = ET.parse(junit).getroot()

@@ -157,7 +157,7 @@ def _undoes(forward: Rule, recorded: Step, step: Step) -> bool:
     """Whether ``step`` (an inverted binding) is exactly the inverse of ``recorded``: the same
     op as the forward rule gives for those inputs, the same names and the same specs."""
     op = forward.op.for_present(list(recorded.input_specs))
-    return (recorded.op.kind == op.kind and recorded.op.params() == op.params()
+    return (type(recorded.op) is type(op) and recorded.op.params() == op.params()
             and recorded.outputs == step.inputs and recorded.inputs == step.outputs
             and recorded.output_specs == step.input_specs and recorded.input_specs == step.output_specs)
 
