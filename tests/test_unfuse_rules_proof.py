@@ -108,7 +108,7 @@ def test_rules_that_do_not_fit_the_recorded_steps_are_refused(cli, tmp_path):
 
     def old_style(record):
         for group in record["plan"]:
-            group.pop("origin")
+            group.pop("origin", None)
         return record
 
     old = _without_provenance(fused, tmp_path / "old.safetensors", old_style)

@@ -32,7 +32,7 @@ def _claiming_the_preset(keep_origin: bool):
     def edit(record):
         for group in record["plan"]:
             group["source"] = "preset bert-qkv"
-            group.pop("origin")
+            group.pop("origin", None)
             if keep_origin:
                 group["origin"] = {"rules_sha256": hashlib.sha256(text.encode()).hexdigest(), "rule": 0,
                                    "config": {"hidden_size": 32}, "block": None, "text": text}
@@ -91,7 +91,7 @@ def test_an_old_provenance_of_a_rules_file_passes_with_a_note(cli, copy_fixture,
 
     def old(record):
         for group in record["plan"]:
-            group.pop("origin")
+            group.pop("origin", None)
         return record
 
     candidate = _rewritten(fused, tmp_path / "old.safetensors", old)
