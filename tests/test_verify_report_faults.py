@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -104,6 +106,16 @@ def test_reports_replace_earlier_ones_whole_and_leave_nothing_beside_them(cli, t
     doc = json.loads(report.read_text())
     assert doc["passed"] and doc["mode"] == "model"
     assert junit.read_bytes().startswith(b"<?xml") and b"</testsuite>" in junit.read_bytes()
+
+
+def test_a_killed_runs_temporary_report_is_removed_by_the_next_run(cli, tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid now belongs to no process
+    stale = tmp_path / f".verify.json.fusectl-tmp-{child.pid}"
+    stale.write_bytes(b'{"torn": ')
+    result = ok(verify(cli, "--report", tmp_path / "verify.json"))
+    assert f"note: removed {stale}, left by a killed run (pid {child.pid})" in result.stderr
+    assert os.listdir(tmp_path) == ["verify.json"]
 
 
 def test_the_library_writes_reports_atomically_too(tmp_path, monkeypatch):

@@ -154,11 +154,10 @@ class VerifyReport:
         """
         files = [(path, render) for path, render in ((json_path, self.to_json_bytes), (junit_path, self.to_junit))
                  if path]
-        replaced = [(path, render) for path, render in files if not _is_stream(path)]
-        for path, render in files:
-            if _is_stream(path):
-                _write_stream(path, render())
-        _replace_all(replaced, inputs, on_note)
+        streams = [(path, render) for path, render in files if _is_stream(path)]
+        for path, render in streams:
+            _write_stream(path, render())
+        _replace_all([file for file in files if file not in streams], inputs, on_note)
 
 
 def check_report_destinations(destinations: Mapping[str, str | None], inputs: Sequence[str]) -> None:
