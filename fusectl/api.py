@@ -248,8 +248,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
 
 def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False):
     """Pair a checkpoint's structural names with the initializers of ``graph`` (an exporter's
-    ``.onnx``) and its float Constant or subgraph tensors of more than one element: by name,
-    then by equal content, then by equal transposed content; a
+    ``.onnx``) and its Constant nodes, also inside If/Loop/Scan bodies: by name, then by equal
+    content, then by equal transposed content; a
     :class:`~fusectl.onnx.namemap.NameMap`.
 
     >>> pairs = map_names("fixtures/onnx/bert/model.safetensors", "fixtures/onnx/bert/model.onnx")
@@ -257,14 +257,10 @@ def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool =
     True
     """
     from .onnx.graph import load_model
-    from .onnx.graph_tensors import graph_tensors, tensor_views
-    from .onnx.namemap import map_names as pair_names
+    from .onnx.namemap import map_graph
 
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
-    # weights may also be Constant nodes or live in If/Loop/Scan bodies (a frozen TorchScript export)
-    tensors = [t for t in graph_tensors(load_model(os.fspath(graph))) if t.may_be_weight]
-    readers, specs = tensor_views(tensors)
-    return pair_names(checkpoint.table, readers, specs)
+    return map_graph(checkpoint.table, load_model(os.fspath(graph)))
 
 
 def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, follow_symlinks: bool = False,

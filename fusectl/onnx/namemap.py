@@ -232,3 +232,18 @@ def map_names(
     result.unmatched_checkpoint = [n for n in names if n not in paired]
     result.unmatched_graph = sorted(n for n in initializers if n not in matched_graph)
     return result
+
+
+def map_graph(table: ParamTable, model) -> NameMap:
+    """Pair ``table``'s structural names with every tensor the onnx-ir ``model`` holds:
+    initializers and Constant nodes, in the main graph and in If/Loop/Scan bodies (a frozen
+    TorchScript export keeps its weights as Constants). ``unmatched_graph`` lists the main
+    graph's initializers only: a Constant or a subgraph's tensor is listed when it pairs (the
+    integer Constants of shapes and axes, an LSTM's zero initial state, would crowd it)."""
+    from .graph_tensors import MAIN_GRAPH, graph_tensors, tensor_views
+
+    tensors = graph_tensors(model)
+    result = map_names(table, *tensor_views(tensors))
+    initializers = {t.key for t in tensors if t.kind == "initializer" and t.where == MAIN_GRAPH}
+    result.unmatched_graph = [n for n in result.unmatched_graph if n in initializers]
+    return result

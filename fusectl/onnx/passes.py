@@ -165,7 +165,7 @@ def _refuse_stale_weights(ctx: ExportContext, original: ParamTable, mapping: Nam
         tensor, name = stale[0]
         where = "" if tensor.where == MAIN_GRAPH else f" ({tensor.where})"
         others = [t.describe() for t, _ in stale[1:]]
-        also = (f"; so do {len(others)} more ({'; '.join(others[:4])}{', …' if len(others) > 4 else ''})"
+        also = (f"; so do {len(others)} more ({'; '.join(others[:8])}{', …' if len(others) > 8 else ''})"
                 if others else "")
         raise ExportError(
             f"graph {tensor.kind} {quote(tensor.key)} {list(tensor.shape)}{where} pairs with no tensor of "
