@@ -47,6 +47,8 @@ LIMITS: dict[str, Limit] = {
         Limit("pickle-opcodes", 50_000_000, "pickle opcodes in one PyTorch checkpoint"),
         Limit("pickle-items", 2_000_000, "items in one pickled list, dict, tuple or set"),
         Limit("pickle-depth", 64, "levels of nesting in a PyTorch checkpoint's pickle"),
+        Limit("pickle-memory", 300_000_000, "bytes of objects that unpickling a PyTorch checkpoint would "
+              "build (estimated before unpickling)"),
         Limit("pickle-hash-keys", 10_000, "dict keys or set members in a PyTorch checkpoint's pickle that are "
               "not strings or small integers (numbers and tuples, whose hashes a file can make collide)"),
         Limit("expanded-bytes", 4_000_000_000, "bytes of one tensor that repeats its stored elements (an expanded view)"),

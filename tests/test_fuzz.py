@@ -4,7 +4,10 @@ Every case checks the bad-input contract: exit 0 or 2; on 2 an ``error:`` line t
 file; never "internal error"; no hang (a per-case timeout); no output or temporary file left;
 the input unchanged; and never laxer than the safetensors library (a file it rejects is not
 read). The default run makes a few hundred cases; set ``FUSECTL_FUZZ_CASES`` (per family) and
-``FUSECTL_FUZZ_SEED`` for a longer or another run.
+``FUSECTL_FUZZ_SEED`` for a longer or another run. PyTorch files are mutated ``FUSECTL_FUZZ_CASES``
+times per fixture (eight fixtures: ``FUSECTL_FUZZ_CASES=1250`` makes 10,000 files), read in this
+process (as every command reads them), each within the time limit and without raising the
+process's peak memory past 1 GiB.
 """
 
 from __future__ import annotations
@@ -12,14 +15,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import shutil
 import struct
+import zipfile
 from pathlib import Path
 
 import pytest
 import safetensors
 
 from conftest import leftovers, run_cli, snapshot, time_limit
+from fusectl.errors import FusectlError
+from fusectl.io.torch_file import read_torch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CASES = int(os.environ.get("FUSECTL_FUZZ_CASES", "60"))
@@ -389,3 +396,93 @@ def test_fuzzed_rules_file(tmp_path, case):
         back = tmp_path / "back.safetensors"
         check_contract(["unfuse", out, "-o", back, "--quiet"], culprit=out, inputs=out, out=back,
                        also_named=(str(rules),))
+
+
+# ------------------------------------------------------------------------------ PyTorch files
+
+RSS_LIMIT_KB = 1 << 20  # no file may make a command use more than 1 GiB
+
+
+def _mutated(data: bytes, rng: random.Random) -> bytes:
+    """``data`` with one to four random byte edits: overwrite, delete, insert or truncate."""
+    mutated = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        kind = rng.random()
+        at = rng.randrange(len(mutated))
+        if kind < 0.5:
+            mutated[at] = rng.randrange(256)
+        elif kind < 0.7:
+            del mutated[at:at + rng.randint(1, 8)]
+        elif kind < 0.85:
+            mutated[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        else:
+            mutated = mutated[:at]
+        if not mutated:
+            mutated = bytearray(b"\x80")
+    return bytes(mutated)
+
+
+def torch_problem(path: Path) -> str | None:
+    """Read a PyTorch file and every tensor in it as the commands do; what broke the bad-input
+    contract (an exception that is not a FusectlError, an error that does not name the file,
+    no result within the time limit, the process's peak memory past RSS_LIMIT_KB), or None."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with time_limit(TIMEOUT_S):
+            contents = read_torch(str(path))
+            for tensor in contents.tensors.values():
+                tensor.read()
+    except FusectlError as e:
+        if str(path) not in str(e):
+            return f"the error does not name the file: {e}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a hang (pytest's Failed) or a bug: reported with the case
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if peak > max(before, RSS_LIMIT_KB):
+        return f"peak memory {peak // 1024} MiB"
+    return None
+
+
+def _check_all(cases) -> None:
+    problems = []
+    for label, path in cases:
+        problem = torch_problem(path)
+        if problem:
+            problems.append(f"{label}: {problem}")
+    assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("name", ["tied.pt", "views-legacy.pt", "training-legacy.pt", "protocol4.pt", "deflated.pt"])
+def test_fuzzed_torch_file_bytes(tmp_path, name):
+    rng = random.Random(f"{SEED}-torch-{name}")
+    data = (FIXTURES / "torch" / name).read_bytes()
+    path = tmp_path / "fuzz.pt"
+
+    def cases():
+        for case in range(CASES):
+            path.write_bytes(_mutated(data, rng))
+            yield f"{name} mutation {case} (seed {SEED})", path
+
+    _check_all(cases())
+
+
+@pytest.mark.parametrize("name", ["training.pt", "views.pt", "mixed.pt"])
+def test_fuzzed_torch_pickle(tmp_path, name):
+    # mutating data.pkl inside the zip would only fail its CRC: re-zip each mutation instead
+    rng = random.Random(f"{SEED}-pickle-{name}")
+    with zipfile.ZipFile(FIXTURES / "torch" / name) as zf:
+        records = [(n, zf.read(n)) for n in zf.namelist()]
+    pkl_name = next(n for n, _ in records if n.endswith("/data.pkl"))
+    path = tmp_path / "fuzz.pt"
+
+    def cases():
+        for case in range(CASES):
+            mutated = _mutated(dict(records)[pkl_name], rng)
+            with zipfile.ZipFile(path, "w") as zf:
+                for record, data in records:
+                    zf.writestr(record, mutated if record == pkl_name else data)
+            yield f"{name} pickle mutation {case} (seed {SEED})", path
+
+    _check_all(cases())

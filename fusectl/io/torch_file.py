@@ -56,7 +56,7 @@ from ..dtypes import DType
 from ..errors import CheckpointError, printable, quote
 from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
-from .pickle_scan import NeedMore, scan
+from .pickle_scan import Builds, NeedMore, call_bytes, scan
 from .untrusted import collector_paused, open_input
 
 # the first pickle of a legacy file, and the version after it (torch/serialization.py)
@@ -282,7 +282,7 @@ def _read_zip(path: str, f: BinaryIO, size: int) -> _Archive:
             byteswap = order == b"big"
         data = record(pickle_name, "pickle-bytes")
         pickle_where = f"{where} ({printable(pickle_name)})"
-        scan(data, 0, pickle_where, complete=True, allowed=ALLOWED_GLOBALS)
+        scan(data, 0, pickle_where, complete=True, allowed=_SCANNED)
         loader = _Loader(io.BytesIO(data), pickle_where)
         root = loader.run()
         for storage in loader.storages.values():
@@ -336,12 +336,12 @@ def _read_legacy(path: str, f: BinaryIO, size: int) -> _Archive:
     budget = limit("pickle-bytes")
     buffer = b""
     bounds = []
-    pos = 0
+    pos = memory = 0
     # every pickle is scanned before any is unpickled; the first two are compared as bytes
     for i in range(5):
         while True:
             try:
-                end = scan(buffer, pos, where, complete=len(buffer) >= size, allowed=ALLOWED_GLOBALS)
+                end, memory = scan(buffer, pos, where, complete=len(buffer) >= size, allowed=_SCANNED, memory=memory)
                 break
             except NeedMore:
                 if len(buffer) >= budget:
@@ -492,23 +492,10 @@ def _rebuild_from_type_v2(func, new_type, args, state):
     return func(*args)  # the state (the tensor's Python attributes) describes no data
 
 
-def _size(sizes):
-    if type(sizes) not in (tuple, list) or not all(type(n) is int for n in sizes):
-        raise _Malformed("torch.Size of something other than whole numbers")
-    return tuple(sizes)
-
-
 def _complex(real=0.0, imag=0.0):
     if not all(type(x) in (int, float) for x in (real, imag)):
         raise _Malformed("a complex number of something other than numbers")
     return complex(real, imag)
-
-
-def _encode(text, encoding="utf-8"):
-    # protocol 2 pickles bytes as _codecs.encode(str, 'latin1'); no other codec is needed
-    if type(text) is not str or encoding not in ("latin1", "latin-1"):
-        raise _Malformed("_codecs.encode other than of a string to latin1")
-    return text.encode("latin1")
 
 
 _STORAGE_CLASSES = {
@@ -529,7 +516,7 @@ _DTYPE_GLOBALS = {f"torch.{n}" for n in (*_DTYPE_NAMES, *_UNSUPPORTED_DTYPES)}
 
 def _globals() -> dict[str, object]:
     table: dict[str, object] = {
-        "collections.OrderedDict": _OrderedDict,  # _Loader.find_class gives a stand-in (_HASHING)
+        "collections.OrderedDict": None,  # _Loader.find_class gives a stand-in (_BOUND)
         "torch.Tensor": _Inert("torch.Tensor"),
         "torch.storage.UntypedStorage": _Inert("torch.storage.UntypedStorage", dtypes.BY_NAME["U8"]),
         "torch.UntypedStorage": _Inert("torch.UntypedStorage", dtypes.BY_NAME["U8"]),
@@ -540,9 +527,9 @@ def _globals() -> dict[str, object]:
                      ("torch._utils._rebuild_tensor_v3", _rebuild_tensor_v3),
                      ("torch._utils._rebuild_parameter", _rebuild_parameter),
                      ("torch._utils._rebuild_parameter_with_state", _rebuild_parameter),
-                     ("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2),
-                     ("torch.Size", _size), ("_codecs.encode", _encode)]:
+                     ("torch._tensor._rebuild_from_type_v2", _rebuild_from_type_v2)]:
         table[name] = _Call(name, fn)
+    table["torch.Size"] = table["_codecs.encode"] = None  # _Loader.find_class gives a stand-in
     # protocol 2 spells builtins the Python 2 way (pickle's fix_imports)
     for module in ("builtins", "__builtin__"):
         table[f"{module}.complex"] = _Call(f"{module}.complex", _complex)
@@ -556,9 +543,15 @@ def _globals() -> dict[str, object]:
 
 _GLOBALS = _globals()
 ALLOWED_GLOBALS = frozenset(_GLOBALS)
-# allowed globals that build sets and dicts: bound to the loader, which counts what they hash
-_HASHING = {"builtins.set": "_set", "__builtin__.set": "_set", "builtins.frozenset": "_frozenset",
-            "__builtin__.frozenset": "_frozenset", "collections.OrderedDict": "_ordered_dict"}
+# allowed globals that copy what they are given (the others build an object of a fixed size)
+_BUILDS = {"torch.Size": Builds.TUPLE, "builtins.set": Builds.SET, "__builtin__.set": Builds.SET,
+           "builtins.frozenset": Builds.FROZENSET, "__builtin__.frozenset": Builds.FROZENSET,
+           "collections.OrderedDict": Builds.DICT, "_codecs.encode": Builds.BYTES}
+_SCANNED = {name: _BUILDS.get(name, Builds.OBJECT) for name in _GLOBALS}  # what the scan needs to know
+# allowed globals bound to the loader, which counts what they hash and what they copy
+_BOUND = {"builtins.set": "_set", "__builtin__.set": "_set", "builtins.frozenset": "_frozenset",
+          "__builtin__.frozenset": "_frozenset", "collections.OrderedDict": "_ordered_dict",
+          "torch.Size": "_size", "_codecs.encode": "_encode"}
 
 # what the C unpickler may raise on a malformed (already scanned) pickle
 _LOAD_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
@@ -574,6 +567,8 @@ class _Loader(pickle.Unpickler):
         self.key_budget = limit("name-bytes")
         self.keys_budget = limit("pickle-hash-keys")
         self.odd_keys = 0
+        self.memory_budget = limit("pickle-memory")
+        self.copied = 0  # bytes the calls of _BOUND globals built
         self.plain = plain  # the small pickles of a legacy file's head: no global, no storage
         self.storages: dict[str, _Storage] = {}
 
@@ -588,9 +583,15 @@ class _Loader(pickle.Unpickler):
         full = f"{module}.{name}"
         if self.plain or full not in _GLOBALS:  # the scan refused it already: a second lock
             raise CheckpointError(f"{self.where}: the pickle calls {quote(full[:200])}, which fusectl refuses")
-        if full in _HASHING:  # these hash what they are given: counted against pickle-hash-keys
-            return _Call(full, getattr(self, _HASHING[full]))
+        if full in _BOUND:  # these hash or copy what they are given: counted
+            return _Call(full, getattr(self, _BOUND[full]))
         return _GLOBALS[full]
+
+    def _copies(self, name: str, n: int) -> None:
+        # the scan counted every call already (pickle-memory): a second lock, on what calls copy
+        self.copied += call_bytes(_BUILDS[name], n)
+        if self.copied > self.memory_budget:
+            check_limit("pickle-memory", self.copied, f"{self.where} (a call of {quote(name)})")
 
     def _count_keys(self, keys) -> None:
         weights: dict[int, int] = {}
@@ -602,21 +603,41 @@ class _Loader(pickle.Unpickler):
             check_limit("pickle-hash-keys", self.odd_keys, self.where)
 
     def _set(self, items=()):
-        if type(items) not in (list, tuple, set, frozenset):
-            raise _Malformed("a set of something other than a list")
-        self._count_keys(items)
-        return set(items)
+        return set(self._members(items, "builtins.set"))
 
     def _frozenset(self, items=()):
-        return frozenset(self._set(items))
+        return frozenset(self._members(items, "builtins.frozenset"))
+
+    def _members(self, items, name: str):
+        if type(items) not in (list, tuple, set, frozenset):
+            raise _Malformed("a set of something other than a list")
+        self._copies(name, len(items))
+        self._count_keys(items)
+        return items
+
+    def _size(self, sizes):
+        if type(sizes) not in (tuple, list):
+            raise _Malformed("torch.Size of something other than whole numbers")
+        self._copies("torch.Size", len(sizes))
+        if not all(type(n) is int for n in sizes):
+            raise _Malformed("torch.Size of something other than whole numbers")
+        return tuple(sizes)
+
+    def _encode(self, text, encoding="utf-8"):
+        # protocol 2 pickles bytes as _codecs.encode(str, 'latin1'); no other codec is needed
+        if type(text) is not str or encoding not in ("latin1", "latin-1"):
+            raise _Malformed("_codecs.encode other than of a string to latin1")
+        self._copies("_codecs.encode", len(text))
+        return text.encode("latin1")
 
     def _ordered_dict(self, items=()):
+        if type(items) not in (list, tuple) and not isinstance(items, dict):
+            raise _Malformed("an OrderedDict of something other than pairs")
+        self._copies("collections.OrderedDict", len(items))
         if type(items) in (list, tuple):
             if not all(type(p) in (tuple, list) and len(p) == 2 for p in items):
                 raise _Malformed("an OrderedDict of something other than pairs")
             self._count_keys(p[0] for p in items)
-        elif not isinstance(items, dict):
-            raise _Malformed("an OrderedDict of something other than pairs")
         return _OrderedDict(items)
 
     def persistent_load(self, pid):
