@@ -201,6 +201,15 @@ RESERVED_NAMES = frozenset({"__metadata__", "__fusectl_metadata__"})
 
 def _closest_hint(name: str, names: Sequence[str]) -> str:
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    return f"; the checkpoint has {close[0]!r}" if close else ""
+    if close:
+        return f"; the checkpoint has {close[0]!r}"
+    # nothing close (rules written for another model): the nearest of the checkpoint's name
+    # forms, layer numbers aside, so the message shows what this model holds
+    digits = str.maketrans("123456789", "0" * 9)
+    forms: dict[str, str] = {}
+    for n in names:
+        forms.setdefault(n.translate(digits), n)
+    nearest = difflib.get_close_matches(name, list(forms)[:2000], n=3, cutoff=0)
+    return f"; nothing is close, its nearest names are {', '.join(repr(forms[f]) for f in nearest)}" if nearest else ""
 
 

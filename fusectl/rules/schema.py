@@ -13,7 +13,7 @@ from ..config_edit import ConfigEdit
 from ..errors import RuleError
 from ..ops import OPS, Op
 from .patterns import Pattern
-from .variables import checked_integer, evaluate, resolve_variables
+from .variables import ConfigLookupError, Variables, checked_integer, evaluate
 
 _TOP_KEYS = {"version", "description", "vars", "ties", "rule", "quantization", "config"}
 _RULE_KEYS = {"name", "op", "optional", "over"}
@@ -126,23 +126,55 @@ class _LazyVariables:
 
     def __init__(self, raw: dict, config, source: str):
         self._raw, self._config, self._source = raw, config, source
-        self._values: dict[str, int] | None = None
+        self._variables: Variables | None = None
 
     def value(self, expression: object, where: str) -> int:
+        """The integer ``expression`` (a number, a var, an expression over vars) gives;
+        ConfigLookupError when a var it uses needs a config key the config lacks."""
         if type(expression) is int:
             return checked_integer(expression, where)
         if not isinstance(expression, str):
             raise RuleError(f"{where}: {expression!r} must be an integer or a var name")
-        if self._values is None:
-            self._values = resolve_variables(self._raw, self._config, self._source)
-        values = self._values
+        if self._variables is None:
+            self._variables = Variables(self._raw, self._config, self._source)
+        variables = self._variables
 
         def lookup(name: str) -> int:
-            if name not in values:
+            if name not in variables:
                 raise RuleError(f"{where}: {name!r} is not defined in [vars]")
-            return values[name]
+            return variables.value(name)
 
         return evaluate(expression, lookup, where)
+
+
+class NeedsConfig:
+    """The op of a rule whose parameters need config keys the model's config lacks.
+
+    Binding a rule asks its op's class attributes first (``gathers_over``, ``named_inputs``,
+    ``guard`` …: which inputs find bindings, whether the rule must match); this answers those
+    as the op's class does, so that a rule whose patterns match nothing says so, with the
+    nearest names. Anything a binding needs of the op itself (``for_present``, ``infer``,
+    ``inverse`` …) raises the ConfigLookupError, naming the rule, the var and the key.
+    """
+
+    def __init__(self, op_cls: type[Op], error: ConfigLookupError):
+        self._op_cls, self._error = op_cls, str(error)
+
+    def __getattr__(self, name: str):
+        if name in _class_vars(self._op_cls):
+            return getattr(self._op_cls, name)
+        if name.startswith("__"):  # copy, pickle and friends probe for optional hooks
+            raise AttributeError(name)
+        raise ConfigLookupError(self._error)
+
+    def __repr__(self) -> str:
+        return f"NeedsConfig({self._op_cls.kind}: {self._error})"
+
+
+def _class_vars(op_cls: type) -> set[str]:
+    """The names an op class declares as ``ClassVar`` (on itself or a base)."""
+    return {name for klass in op_cls.__mro__ for name, annotation in vars(klass).get("__annotations__", {}).items()
+            if str(annotation).startswith(("ClassVar", "typing.ClassVar"))}
 
 
 def _no_unknown_keys(table: Mapping, allowed: set[str], where: str) -> None:
@@ -318,12 +350,19 @@ def _check_offsets(patterns, where) -> None:
                 )
 
 
-def _make_op(op_cls, raw, params, n_outputs, variables: _LazyVariables, where) -> Op:
+def _make_op(op_cls, raw, params, n_outputs, variables: _LazyVariables, where) -> Op | NeedsConfig:
     values = {}
+    needs_config = None
     for key, field in params.items():
         if key not in raw:
             continue
-        values[key] = _convert(raw[key], field.type, variables, f"{where}: {key}")
+        try:
+            values[key] = _convert(raw[key], field.type, variables, f"{where}: {key}")
+        except ConfigLookupError as e:  # the other parameters are still checked now
+            needs_config = needs_config or e
+    if needs_config is not None:
+        # which config.json keys a model has matters only for a rule that binds to it
+        return NeedsConfig(op_cls, ConfigLookupError(f"{where}: {needs_config}"))
     if "parts" in {f.name for f in dataclasses.fields(op_cls)}:
         values["parts"] = n_outputs
     if values.get("sizes") is not None and op_cls.outputs_field == "outputs":
