@@ -266,9 +266,13 @@ def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool =
 def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, follow_symlinks: bool = False,
            on_note: Callable[[str], None] | None = None):
     """Rewrite ``graph`` (exported from the unfused model) to take the checkpoint's parameters;
-    an :class:`~fusectl.onnx.export.ExportReport`."""
-    from .onnx.export import export_model
+    an :class:`~fusectl.onnx.export.ExportReport` (``.to_json()`` is ``export --json``: what was
+    fused, what was not and why, and the graph's own tensors it kept). OutputError unless
+    ``out`` ends in ``.onnx``; ExportError when a weight the graph holds (an initializer or a
+    Constant, at any depth) cannot be taken from the checkpoint."""
+    from .onnx.export import check_onnx_output, export_model
 
+    check_onnx_output(os.fspath(out))  # before the checkpoint is opened: nothing to read for a bad name
     return export_model(_checkpoint(ckpt, config, follow_symlinks), os.fspath(graph), os.fspath(out),
                         force=force, on_note=on_note)
 
