@@ -238,3 +238,18 @@ def test_an_output_not_named_onnx_is_refused(cli, tmp_path, name, says):
     refused(export(cli, KEEP / "lin.pt", KEEP / "lin.onnx", out),
             f"{out}: fusectl export writes an ONNX model, {says}; choose OUT.onnx", unwritten=[out])
     assert os.listdir(tmp_path) == []
+
+
+def test_a_constant_named_like_a_checkpoint_tensor_with_other_data_is_refused(cli, tmp_path):
+    weight = np.arange(9, dtype=np.float32).reshape(3, 3)
+    ckpt = write_safetensors(tmp_path / "lin.safetensors", {"lin.weight": weight})
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["lin.weight"], value=numpy_helper.from_array(weight + 1)),
+         helper.make_node("MatMul", ["x", "lin.weight"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    path = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    out = tmp_path / "out.onnx"
+    refused(export(cli, ckpt, path, out), "graph Constant 'lin.weight' float32[3, 3] (main graph) has the name of "
+            "checkpoint tensor 'lin.weight' but holds other data", unwritten=[out])
