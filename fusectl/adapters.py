@@ -19,8 +19,9 @@ then lifts each base step to the adapter through its op (``Op.lift`` with a :cla
 - transpose: A' = Bᵀ, B' = Aᵀ.
 
 Everything else (numeric folds, stack/unstack of experts) is refused naming the rule and the
-adapter tensor; DoRA adapters (``use_dora``, magnitude vectors) are refused before any rule binds. The scaling is kept exactly: a module whose rank changes
-gets ``rank_pattern`` / ``alpha_pattern`` entries; parts with different scalings are refused.
+adapter tensor; DoRA adapters (``use_dora``, magnitude vectors) are refused before any rule
+binds. The scaling is kept exactly: a module whose rank changes gets ``rank_pattern`` /
+``alpha_pattern`` entries; parts with different scalings are refused.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ HOSTILE = {
                         ["offset '-4'", "not whole numbers"]),
     "negative-length": (lambda d: _external(d, location="data.bin", offset="0", length="-16"),
                         ["length '-16'", "not whole numbers"]),
-    "word-offset": (lambda d: _external(d, location="data.bin", offset="eight"), ["offset 'eight'", "not whole numbers"]),
+    "word-offset": (lambda d: _external(d, location="data.bin", offset="eight"),
+                    ["offset 'eight'", "not whole numbers"]),
     "float-length": (lambda d: _external(d, location="data.bin", length="1e3"), ["length '1e3'", "not whole numbers"]),
     # int() reads these; ONNX (and onnxruntime's stoll) offsets are plain ASCII digits
     "spaced-offset": (lambda d: _external(d, location="data.bin", offset=" 0"), ["offset ' 0'", "not whole numbers"]),
