@@ -1,7 +1,7 @@
 """What the passes of ``fusectl export`` share: one :class:`ExportContext`.
 
-It holds the checkpoint, the plan recorded in it, the graph's initializers paired with the
-names the checkpoint had before that plan (:class:`Pairing`, once ``PairInitializersPass``
+It holds the checkpoint, the plan recorded in it, the graph's tensors (initializers and
+Constants, at any depth) paired with the names the checkpoint had before that plan (:class:`Pairing`, once ``PairInitializersPass``
 has run), the checkpoint's parameters as initializers (one per unique parameter) and the
 counts the :class:`~fusectl.onnx.export.ExportReport` gives. ``export_model`` creates it;
 the passes read and extend it, nothing else does.

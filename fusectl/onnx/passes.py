@@ -51,15 +51,19 @@ class PairedExportPass(ExportPass):
 
 
 class PairInitializersPass(ExportPass):
-    """Pair the graph's initializers with the names the checkpoint had before its plan, and set
-    the paired ones aside (renamed ``fusectl_graph/NAME``) for the passes after this one.
+    """Pair the graph's tensors — initializers and Constant nodes, in the main graph and in
+    If/Loop/Scan bodies (``graph_tensors``) — with the names the checkpoint had before its
+    plan, and set the paired ones aside (renamed ``fusectl_graph/NAME``; an initializer that is
+    also a graph input stops being one) for the passes after this one.
 
     The names are recovered by inverting the plan's exact layout steps (numeric, one-way
     steps leave names without data: name matching only). An initializer named like a
     checkpoint tensor but holding other data is explained as a Conv + BatchNorm fold the
     exporter made (the Conv then takes the fold of the checkpoint's own tensors), or refused.
     Initializers the exporter already made in the fused layout (an LSTM's packed W/R/B) pair
-    with the checkpoint's own tensors (``Pairing.direct``).
+    with the checkpoint's own tensors (``Pairing.direct``). A tensor pairing with nothing is
+    kept as the graph's own, unless an unpaired checkpoint tensor has its dtype and shape (or
+    their transpose) and it has more than one element: then it is a stale weight, refused.
     """
 
     def requires(self, model: ir.Model) -> None:
