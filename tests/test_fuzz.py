@@ -26,7 +26,7 @@ import safetensors
 
 from conftest import leftovers, run_cli, snapshot, time_limit
 from fusectl.errors import FusectlError
-from fusectl.io.torch_file import read_torch
+from fusectl.io.torch_file import ALLOWED_GLOBALS, read_torch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CASES = int(os.environ.get("FUSECTL_FUZZ_CASES", "60"))
@@ -486,3 +486,72 @@ def test_fuzzed_torch_pickle(tmp_path, name):
             yield f"{name} pickle mutation {case} (seed {SEED})", path
 
     _check_all(cases())
+
+
+# ------------------------------------------------------------------ PyTorch pickles that amplify
+
+_NAMES = sorted(ALLOWED_GLOBALS)
+
+
+def _global(name: str) -> bytes:
+    module, _, attribute = name.rpartition(".")
+    return b"c" + module.encode() + b"\n" + attribute.encode() + b"\n"
+
+
+_GET = b"j\x00\x00\x00\x00"  # the memoized object
+_TENSOR = (_global("torch._utils._rebuild_tensor_v2") + b"((X\x07\x00\x00\x00storage" + _global("torch.FloatStorage")
+           + b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQK\x00{size}{stride}\x89"
+           + _global("collections.OrderedDict") + b")RtR")
+
+
+def _call(name: str, extra: bytes = b"") -> bytes:
+    return _global(name) + b"(" + _GET + extra + b"tR"
+
+
+# what a pickle can do many times with one memoized object: calls of the allowed globals that
+# copy it, containers that hold it, items added to it, a tensor shaped by it
+_USES = {
+    "Size": _call("torch.Size"), "set": _call("builtins.set"), "frozenset": _call("__builtin__.frozenset"),
+    "OrderedDict": _call("collections.OrderedDict"), "encode": _call("_codecs.encode", b"X\x06\x00\x00\x00latin1"),
+    "list": b"(" + _GET * 100 + b"l", "tuple": b"(" + _GET * 100 + b"t", "dict value": b"}(K\x01" + _GET + b"u",
+    "BUILD": _global("collections.OrderedDict") + b")R" + _GET + b"b", "APPENDS": _GET + b"(" + b"K\x01" * 1000 + b"e",
+    "SETITEMS": _GET + b"(" + b"K\x01K\x02" * 500 + b"u", "ADDITEMS": _GET + b"(" + b"K\x01" * 1000 + b"\x90",
+    "shape": _TENSOR.replace(b"{size}", _GET).replace(b"{stride}", _GET), "persistent id": _GET + b"Q",
+    "arguments": _global("torch._utils._rebuild_tensor_v2") + _GET + b"R",
+}
+# what fits each kind of memoized object (the others are tried too, a fifth of the time)
+_FITTING = {"ones": ["Size", "set", "frozenset", "list", "tuple", "APPENDS", "shape"],
+            "numbers": ["Size", "set", "frozenset", "dict value", "APPENDS"],
+            "text": ["encode", "list", "set"], "pairs": ["OrderedDict", "set", "frozenset", "BUILD", "APPENDS"],
+            "dict": ["OrderedDict", "BUILD", "SETITEMS", "dict value"], "tuple": ["Size", "set", "frozenset", "tuple"],
+            "set": ["frozenset", "ADDITEMS", "Size"], "bytes": ["list", "dict value", "tuple"]}
+
+
+def _amplifying_pickle(rng: random.Random) -> bytes:
+    """A state dict with one good tensor beside one large object that the pickle memoizes and
+    then names again and again (a use of _USES, or two, repeated)."""
+    n = rng.choice([10, 1000, 100_000, 400_000])
+    kind = rng.choice(sorted(_FITTING))
+    numbers = b"".join(b"J" + struct.pack("<i", k) for k in range(n))
+    raw = ("a" * n + rng.choice(["", "é", "\U0001F600"])).encode()
+    base = {"ones": b"(" + b"K\x01" * n + b"l", "numbers": b"(" + numbers + b"l",
+            "text": b"X" + struct.pack("<I", len(raw)) + raw, "pairs": b"(" + b"(K\x01K\x02t" * (n // 4) + b"l",
+            "dict": b"}(" + b"".join(numbers[k:k + 5] + b"N" for k in range(0, len(numbers), 10)) + b"u",
+            "tuple": b"(" + b"K\x02" * n + b"t", "set": b"\x8f(" + numbers + b"\x90",
+            "bytes": b"B" + struct.pack("<I", n) + bytes(n)}[kind]
+    names = [rng.choice(_FITTING[kind] if rng.random() < 0.8 else sorted(_USES)) for _ in range(rng.choice([1, 2]))]
+    uses = b"".join(_USES[name] for name in names) * rng.choice([1, 10, 100, 400])
+    junk = base + b"r\x00\x00\x00\x000(" + uses + b"l"
+    tensor = _TENSOR.replace(b"{size}", b"K\x04\x85").replace(b"{stride}", b"K\x01\x85")
+    return b"\x80\x02}(X\x01\x00\x00\x00w" + tensor + b"X\x04\x00\x00\x00junk" + junk + b"u."
+
+
+@pytest.mark.parametrize("case", range(CASES // 4))
+def test_fuzzed_torch_amplification(tmp_path, case):
+    rng = random.Random(f"{SEED}-amplify-{case}")
+    path = tmp_path / "fuzz.pt"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", _amplifying_pickle(rng))
+        zf.writestr("archive/data/0", struct.pack("<4f", 1, 2, 3, 4))
+    problem = torch_problem(path)
+    assert problem is None, f"amplification case {case} (seed {SEED}): {problem}"
