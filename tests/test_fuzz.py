@@ -4,10 +4,10 @@ Every case checks the bad-input contract: exit 0 or 2; on 2 an ``error:`` line t
 file; never "internal error"; no hang (a per-case timeout); no output or temporary file left;
 the input unchanged; and never laxer than the safetensors library (a file it rejects is not
 read). The default run makes a few hundred cases; set ``FUSECTL_FUZZ_CASES`` (per family) and
-``FUSECTL_FUZZ_SEED`` for a longer or another run. PyTorch files are mutated ``FUSECTL_FUZZ_CASES``
-times per fixture (eight fixtures: ``FUSECTL_FUZZ_CASES=1250`` makes 10,000 files), read in this
-process (as every command reads them), each within the time limit and without raising the
-process's peak memory past 1 GiB.
+``FUSECTL_FUZZ_SEED`` for a longer or another run. PyTorch files are mutated ``8 * FUSECTL_FUZZ_CASES``
+times in all, spread over ten fixtures (480 files by default, 10,000 with ``FUSECTL_FUZZ_CASES=1250``),
+and read in this process (as every command reads them), each within the time limit and without
+raising the process's peak memory past 1 GiB.
 """
 
 from __future__ import annotations
@@ -401,6 +401,10 @@ def test_fuzzed_rules_file(tmp_path, case):
 # ------------------------------------------------------------------------------ PyTorch files
 
 RSS_LIMIT_KB = 1 << 20  # no file may make a command use more than 1 GiB
+_BYTE_MUTATED = ["tied.pt", "views-legacy.pt", "training-legacy.pt", "protocol4.pt", "deflated.pt", "big-endian.pt",
+                 "legacy-protocol1.pt"]
+_PICKLE_MUTATED = ["training.pt", "views.pt", "mixed.pt"]
+TORCH_CASES = 8 * CASES // (len(_BYTE_MUTATED) + len(_PICKLE_MUTATED))  # per fixture
 
 
 def _mutated(data: bytes, rng: random.Random) -> bytes:
@@ -454,21 +458,21 @@ def _check_all(cases) -> None:
     assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
 
 
-@pytest.mark.parametrize("name", ["tied.pt", "views-legacy.pt", "training-legacy.pt", "protocol4.pt", "deflated.pt"])
+@pytest.mark.parametrize("name", _BYTE_MUTATED)
 def test_fuzzed_torch_file_bytes(tmp_path, name):
     rng = random.Random(f"{SEED}-torch-{name}")
     data = (FIXTURES / "torch" / name).read_bytes()
     path = tmp_path / "fuzz.pt"
 
     def cases():
-        for case in range(CASES):
+        for case in range(TORCH_CASES):
             path.write_bytes(_mutated(data, rng))
             yield f"{name} mutation {case} (seed {SEED})", path
 
     _check_all(cases())
 
 
-@pytest.mark.parametrize("name", ["training.pt", "views.pt", "mixed.pt"])
+@pytest.mark.parametrize("name", _PICKLE_MUTATED)
 def test_fuzzed_torch_pickle(tmp_path, name):
     # mutating data.pkl inside the zip would only fail its CRC: re-zip each mutation instead
     rng = random.Random(f"{SEED}-pickle-{name}")
@@ -478,7 +482,7 @@ def test_fuzzed_torch_pickle(tmp_path, name):
     path = tmp_path / "fuzz.pt"
 
     def cases():
-        for case in range(CASES):
+        for case in range(TORCH_CASES):
             mutated = _mutated(dict(records)[pkl_name], rng)
             with zipfile.ZipFile(path, "w") as zf:
                 for record, data in records:

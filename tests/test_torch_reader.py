@@ -52,7 +52,7 @@ def read_all(contents: TorchContents) -> dict[str, np.ndarray]:
 def test_the_fixture_set_is_complete():
     assert {"dtypes", "dtypes-legacy", "views", "views-legacy", "tied", "tied-legacy", "overlap", "protocol4",
             "deflated", "big-endian", "training", "training-legacy", "model-state", "model-config", "nested",
-            "mixed", "two-models", "bert"} <= set(GOOD)
+            "mixed", "two-models", "bert", "big-endian-fp8", "legacy-protocol1"} <= set(GOOD)
     total = sum(p.stat().st_size for p in TORCH.iterdir())
     assert total < 1_000_000
 
@@ -705,14 +705,57 @@ def test_empty_tensors_need_no_bytes(tmp_path):
     assert view.read().shape == (0, 3)
 
 
-def test_big_endian_untyped_storages_are_swapped_by_the_tensor_dtype(tmp_path):
-    # torch 2.13 swaps a storage by the storage's dtype, so an UntypedStorage (uint16, fp8 via
-    # _rebuild_tensor_v3) is never swapped there; fusectl swaps by the tensor's dtype
+def test_big_endian_uint16_on_an_untyped_storage_is_refused():
+    # torch.save stores uint16/32/64 (and fp8) tensors on an UntypedStorage; torch.load swaps a
+    # big-endian storage by the storage's dtype (uint8 there): it returns these values unswapped,
+    # not what the big-endian writer saved (the generator checks both), so no answer is right
+    path = str(fixture("bad-big-endian-uint16"))
+    refused(path, "tensor 'u16'", "a U16 tensor on a storage of 1-byte elements in a big-endian file",
+            "torch.load leaves its bytes as they are", "save the state dict with safetensors")
+
+
+def test_big_endian_fp8_on_an_untyped_storage_is_read():
+    # one byte per element: nothing to swap, as torch.load (the fixture's expected tensors) agrees
+    contents = read_torch(str(fixture("big-endian-fp8")))
+    assert {n for n, t in contents.tensors.items() if t.byte_ranges() is not None} == {"f8_e4m3", "f8_e5m2", "f8_e8m0"}
+    assert contents.tensors["f32"].read().tolist() == [1.0, -2.0, 3.5]
+
+
+@pytest.mark.parametrize("cls, dtype, record", [
+    ("UntypedStorage", "uint16", b"\x01\x00\x02\x00\xff\xff"),  # issue 18: torch.load reads [1, 2, 65535]
+    ("UntypedStorage", "uint32", bytes(12)),
+    ("UntypedStorage", "uint64", bytes(24)),
+    ("FloatStorage", "int16", bytes(6)),  # torch would reverse groups of 4 bytes, then read 2-byte numbers
+])
+def test_big_endian_tensors_whose_storage_differs_in_width_are_refused(tmp_path, cls, dtype, record):
+    module = "torch.storage" if cls == "UntypedStorage" else "torch"
+    numel = len(record) if cls == "UntypedStorage" else len(record) // 4 + 1
     value = g("torch._utils", "_rebuild_tensor_v3") + tup(
-        storage(module="torch.storage", cls="UntypedStorage", numel=4), i(0), tup(i(2)), tup(i(1)), b"\x89", OD,
-        g("torch", "uint16")) + b"R"
-    path = torch_zip(tmp_path / "m.pt", pkl(dict_of((s("u"), value))), {"0": b"\x01\x02\x03\x04"}, byteorder=b"big")
-    assert read_torch(path).tensors["u"].read().tolist() == [0x0102, 0x0304]
+        storage(module=module, cls=cls, numel=numel), i(0), tup(i(3)), tup(i(1)), b"\x89", OD, g("torch", dtype)) + b"R"
+    data = record if cls == "UntypedStorage" else record + bytes(numel * 4 - len(record))
+    path = torch_zip(tmp_path / "m.pt", pkl(dict_of((s("u"), value))), {"0": data}, byteorder=b"big")
+    refused(path, "tensor 'u'", "in a big-endian file", "refuses rather than guess")
+    little = torch_zip(tmp_path / "l.pt", pkl(dict_of((s("u"), value))), {"0": data})
+    assert read_torch(little).tensors["u"].read().shape == (3,)  # little-endian: the bytes are what they are
+
+
+def test_legacy_protocol_0_is_refused_as_what_it_is(tmp_path):
+    message = refused(str(fixture("bad-legacy-protocol0")), "written with pickle protocol 0",
+                      "torch.load cannot read such a file either", "save it again with torch.save's default protocol")
+    assert "not a PyTorch checkpoint" not in message
+    # the same in a zip (torch.save(..., pickle_protocol=0)): a text persistent id
+    body = b"(dp0\nVw\np1\n" + g("torch._utils", "_rebuild_tensor_v2") + b"(P('storage', <class 'torch.FloatStorage'>, '0', 'cpu', 4, None)\nI0\n(I4\nt(I1\ntI00\n" \
+        + g("collections", "OrderedDict") + b"(tRtRs."
+    refused(torch_zip(tmp_path / "z.pt", body), "written with pickle protocol 0")
+
+
+def test_legacy_protocol_1_is_read_where_torch_weights_only_refuses():
+    # torch.load(weights_only=True) knows only protocol 2's opcodes; the fixture's expected
+    # tensors come from torch.load(weights_only=False) on this file, which torch wrote itself
+    raw = fixture("legacy-protocol1").read_bytes()
+    assert raw.startswith(b"L119547037146038801333356L\n.M\xe9\x03.")  # the magic number as text, then 1001
+    contents = read_torch(str(fixture("legacy-protocol1")))
+    assert list(contents.tensors) == ["w", "w_t", "ids", "half"]
 
 
 # ------------------------------------------------------------------------------ containers
@@ -726,7 +769,9 @@ def test_not_a_torch_file(tmp_path):
             path.with_suffix(".npz").rename(path)
         else:
             path.write_bytes(data)
-        refused(str(path), "not a torch.save checkpoint" if data is None else "not a PyTorch checkpoint")
+        message = refused(str(path), "not a torch.save checkpoint" if data is None else "not a PyTorch checkpoint")
+        if data is not None:
+            assert ("(the file is empty;" if not data else "(the file starts with b'hell';") in message, message
     refused(str(tmp_path / "missing.pt"), "no such file")
     refused(str(tmp_path), "not a regular file")
 

@@ -62,8 +62,11 @@ from .untrusted import collector_paused, open_input
 # the first pickle of a legacy file, and the version after it (torch/serialization.py)
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
-_LEGACY_MAGIC_PICKLES = {pickle.dumps(_LEGACY_MAGIC, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
-_LEGACY_PROTOCOL_PICKLES = {pickle.dumps(_LEGACY_PROTOCOL, protocol=p) for p in range(2, pickle.HIGHEST_PROTOCOL + 1)}
+# every pickle protocol: 0 and 1 (torch.save(..., pickle_protocol=1)) write the magic number as a
+# text LONG; the scan reads their opcodes as it reads their binary spellings
+_LEGACY_MAGIC_PICKLES = {pickle.dumps(_LEGACY_MAGIC, protocol=p) for p in range(pickle.HIGHEST_PROTOCOL + 1)}
+_LEGACY_PROTOCOL_PICKLES = {pickle.dumps(_LEGACY_PROTOCOL, protocol=p) for p in range(pickle.HIGHEST_PROTOCOL + 1)}
+_LEGACY_TEXT_HEAD = pickle.dumps(_LEGACY_MAGIC, protocol=1)[:4]  # b"L119"
 _DIM_MAX = 2**63 - 1
 _SHOWN_CANDIDATES = 20
 
@@ -102,12 +105,12 @@ def read_torch(path: str, key: str | None = None) -> TorchContents:
         head = f.read(4)
         if head == b"PK\x03\x04":
             archive = _read_zip(path, f, size)
-        elif head[:1] == b"\x80":
+        elif head[:1] == b"\x80" or head == _LEGACY_TEXT_HEAD:
             archive = _read_legacy(path, f, size)
         else:
-            shown = "empty" if size == 0 else f"starts with {head!r}"
+            shown = "is empty" if size == 0 else f"starts with {head!r}"
             raise CheckpointError(
-                f"{printable(path)}: not a PyTorch checkpoint (the file is {shown}; torch.save writes a zip "
+                f"{printable(path)}: not a PyTorch checkpoint (the file {shown}; torch.save writes a zip "
                 "archive or, in the legacy format, a pickle); re-save it with torch.save or name another file"
             )
     return _contents(path, archive, key)
@@ -641,6 +644,12 @@ class _Loader(pickle.Unpickler):
         return _OrderedDict(items)
 
     def persistent_load(self, pid):
+        if type(pid) is str and pid.startswith("('storage', ") and not self.plain:  # protocol 0: str(the tuple)
+            raise CheckpointError(
+                f"{self.where}: a torch.save file written with pickle protocol 0, which stores each storage "
+                "reference as text instead of a tuple; torch.load cannot read such a file either (\"saved_id "
+                "must be a tuple\"), so fusectl does not guess at it. Load it with the PyTorch that wrote it and "
+                "save it again with torch.save's default protocol")
         if self.plain or type(pid) is not tuple or len(pid) not in (5, 6) or pid[0] != "storage":
             raise _Malformed("a persistent id that is not a storage")
         storage_type, key, location, numel = pid[1:5]
@@ -876,6 +885,17 @@ def _tensor(path: str, name: str, view: _View, archive: _Archive, specs: dict, d
     source = storage.source
     if source is None:
         raise bad(storage.problem or "its storage has no data in the file")
+    if archive.byteswap and storage.dtype.itemsize != itemsize:
+        # torch.load swaps a big-endian storage by its own element size: an untyped storage
+        # (uint16/32/64 tensors) not at all. Reading what the writer meant would differ from
+        # torch.load, reading what torch.load returns would be wrong for a big-endian writer.
+        width = storage.dtype.itemsize
+        how = "leaves its bytes as they are" if width == 1 else f"reverses its bytes in groups of {width}"
+        raise bad(f"a {dtype} tensor on a storage of {width}-byte elements in a big-endian file; torch.load {how} "
+                  f"(by the storage's element size, not the tensor's {itemsize} bytes), so the values it returns "
+                  "are not the ones a big-endian machine saved, and fusectl refuses rather than guess. Load the "
+                  "file with torch on the machine that wrote it and save the state dict with safetensors "
+                  "(always little-endian)")
     if contiguous and source.__class__ is _FileSource and not (archive.byteswap and itemsize > 1) \
             and not conj and not neg:
         return FileTensor(spec, ByteRange(source.path, source.offset + offset * itemsize, spec.nbytes)), identity
