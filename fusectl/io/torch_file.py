@@ -13,16 +13,26 @@ Unpickling runs code chosen by the file, so this module never lets it:
    ``NEWOBJ``, extension codes, out-of-band buffers), refuses the file before anything else
    happens. ``STACK_GLOBAL`` names are followed through the memo. The scan also bounds the work
    the pickle asks for (``pickle-bytes``, ``pickle-opcodes``, ``pickle-items``, ``pickle-depth``,
-   ``pickle-hash-keys``, ``integer-digits``): a pickle that builds a huge list is refused in
-   about the time it takes to read it; so is a tuple nested so deep that hashing it would
-   overflow CPython's C stack (a crash, not an exception), and a dict whose keys a file made
-   collide (each insertion would scan all earlier keys: hours for a few megabytes).
+   ``pickle-hash-keys``, ``integer-digits``, ``pickle-memory``): a pickle that builds a huge list
+   is refused in about the time it takes to read it; so is a tuple nested so deep that hashing it
+   would overflow CPython's C stack (a crash, not an exception), a dict whose keys a file made
+   collide (each insertion would scan all earlier keys: hours for a few megabytes), and a pickle
+   that calls an allowed global again and again on one memoized object (each call copies it:
+   gigabytes from a few megabytes) — every object and every call's result is counted, sized from
+   what the call is given (``_BUILDS``), before anything is built.
 2. Only then is it loaded by a :class:`pickle.Unpickler` whose ``find_class`` returns
    fusectl's own stand-ins for the allowed globals (the tensor rebuild functions return lazy
    descriptions, storage classes and dtypes are inert markers) and whose ``persistent_load``
    turns storage references into lazy storage descriptions. Each tensor is then checked
    against its storage (bounds, record size, ``expanded-bytes`` for a view that repeats its
    elements) when the state dict is chosen, before a table is built from it.
+
+Pickle protocols 0 to 5 are scanned alike (a legacy file in protocol 0 or 1 starts with the magic
+number as a text ``LONG``, not ``PROTO``). A protocol 0 file is refused all the same: its storage
+references are text, which torch.load cannot read either. In a big-endian file (``byteorder``
+"big") each storage is swapped by its own element size, as torch.load swaps it; a tensor whose
+element size differs from its storage's (a uint16 tensor on an ``UntypedStorage``, which torch.load
+leaves unswapped) is refused, since torch.load's values are then not what the writer saved.
 
 The allow-list, exactly: ``collections.OrderedDict``; ``torch._utils._rebuild_tensor``,
 ``_rebuild_tensor_v2``, ``_rebuild_tensor_v3``, ``_rebuild_parameter``,
