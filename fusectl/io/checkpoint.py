@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, printable, quote
@@ -12,9 +11,11 @@ from ..limits import check_limit
 from ..table import ParamTable
 from ..tensors import LazyTensor
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
+from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .npz_file import read_npz
 from .provenance import METADATA_KEY, Provenance
 from .safetensors_file import read_header
+from .sniff import check_pytorch, is_pytorch
 from .untrusted import check_regular_file, load_json, open_input
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -61,15 +62,31 @@ class Checkpoint:
 
 
 def takes_key(path: str) -> bool:
-    """Whether ``path`` names a PyTorch file, whose state dict ``--key`` may select."""
-    return os.path.isfile(path) and path.endswith(TORCH_SUFFIXES)
+    """Whether ``path`` names a PyTorch file, whose state dict ``--key`` may select: a file with
+    a PyTorch suffix (.pt, .pth, .bin, .ckpt), or any other file whose suffix names no other
+    format and that holds what torch.save writes (``checkpoint.pth.tar``)."""
+    if not os.path.isfile(path) or _format_by_suffix(path) is not None:
+        return False
+    return path.endswith(TORCH_SUFFIXES) or is_pytorch(path)
+
+
+def _format_by_suffix(path: str) -> str | None:
+    """The format a file's suffix decides (every suffix but PyTorch's, whose files are told by
+    their content, under any name: ``.pth.tar``, ``.model``, none); None for the rest."""
+    for suffix, fmt in ((INDEX_SUFFIX, "safetensors-sharded"), (TORCH_INDEX_SUFFIX, "pytorch-sharded"),
+                        (".safetensors", "safetensors"), (".npz", "npz"), (".onnx", "onnx")):
+        if path.endswith(suffix):
+            return fmt
+    return None
 
 
 def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False,
                     key: str | None = None) -> Checkpoint:
     """Read headers of a safetensors file, sharded index, Hugging Face folder, npz archive,
-    PyTorch file (``torch.save``; ``key`` selects the state dict of a training dict, dotted for
-    nesting) or an ONNX model's initializers.
+    PyTorch file (``torch.save``, told by its content under any name: ``.pt``, ``.pth.tar``, none;
+    ``key`` selects the state dict of a training dict, dotted for nesting) or an ONNX model's
+    initializers. A Hugging Face cache repository folder (``…/models--ORG--NAME``, or its
+    ``snapshots/``) is read as the snapshot ``refs/main`` names, or its only snapshot.
 
     ``config.json`` beside the checkpoint (or ``config_path``) supplies ``config:`` variables.
     Inside an input folder, fusectl follows a symbolic link only where it resolves inside
@@ -82,11 +99,11 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         raise CheckpointError(f"{path}: no such file or directory")
     companions: list[Companion] = []
     if os.path.isdir(path):
-        folder = path
-        boundary = LinkBoundary.around(folder, allow_outside_links)
-        target = _pick_in_folder(path)
+        folder = _model_folder(path, allow_outside_links)
+        boundary = LinkBoundary.around(folder, allow_outside_links, named=path)
+        target = _pick_in_folder(folder)
         boundary.check(target)
-        companions = list_companions(path, boundary)
+        companions = list_companions(folder, boundary)
     else:
         target = path
         folder = os.path.dirname(os.path.abspath(path))
@@ -94,42 +111,33 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
 
     source_aliases: dict[str, str] = {}
     state_dict_key, ignored = None, []
-    if key is not None and not target.endswith(TORCH_SUFFIXES):
-        raise CheckpointError(f"{target}: --key selects a state dict inside a PyTorch file (.pt, .pth, .bin, "
-                              ".ckpt); this checkpoint is not one, so leave it out")
+    fmt = _format_by_suffix(target) or "pytorch"
+    if key is not None and fmt != "pytorch":
+        raise CheckpointError(f"{target}: --key selects a state dict inside a PyTorch file (torch.save's, "
+                              "under any name); this checkpoint is not one, so leave it out")
     provenance_text = None
-    if target.endswith(INDEX_SUFFIX):
+    if fmt == "safetensors-sharded":
         stored, metadata, files, index_meta, _ = _read_sharded(target, boundary, read_header)
-        fmt = "safetensors-sharded"
         provenance_text = index_meta.get(METADATA_KEY)
-    elif target.endswith(TORCH_INDEX_SUFFIX):
+    elif fmt == "pytorch-sharded":
         stored, metadata, files, _, source_aliases = _read_sharded(target, boundary, _read_torch_shard)
-        fmt = "pytorch-sharded"
-    elif target.endswith(".safetensors"):
+    elif fmt == "safetensors":
         stored, metadata = read_header(target)
-        files, fmt = [target], "safetensors"
+        files = [target]
         provenance_text = metadata.get(METADATA_KEY)
-    elif target.endswith(".npz"):
+    elif fmt == "npz":
         stored, metadata = read_npz(target)
-        files, fmt = [target], "npz"
+        files = [target]
         provenance_text = metadata.get(METADATA_KEY)
-    elif target.endswith(TORCH_SUFFIXES):
-        from .torch_file import read_torch
-
-        contents = read_torch(target, key)
-        stored, metadata, files, fmt = contents.tensors, {}, [target], "pytorch"
-        source_aliases, state_dict_key, ignored = contents.aliases, contents.key, contents.ignored
-    elif target.endswith(".onnx"):
+    elif fmt == "onnx":
         from ..onnx.initializers import read_initializers  # loads onnx-ir only for models
 
         stored, data_files = read_initializers(target)
-        metadata, files, fmt = {}, [target, *data_files], "onnx"
-    else:
-        raise CheckpointError(
-            f"{target}: unsupported checkpoint format; fusectl reads .safetensors, *{INDEX_SUFFIX}, "
-            f".npz, PyTorch files ({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX}), .onnx initializers "
-            "and Hugging Face folders holding them"
-        )
+        metadata, files = {}, [target, *data_files]
+    else:  # any other name: a PyTorch file when its content is one (sniff.py says what it is otherwise)
+        contents = _read_torch(target, key)
+        stored, metadata, files = contents.tensors, {}, [target]
+        source_aliases, state_dict_key, ignored = contents.aliases, contents.key, contents.ignored
 
     table = ParamTable.from_stored(stored)
     if provenance_text is not None and not isinstance(provenance_text, str):
@@ -156,20 +164,16 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
                       state_dict_key, ignored)
 
 
-# a folder inside a Hugging Face cache snapshot: group 1 is the repository's cache folder,
-# whose blobs/ hold the files the snapshot links to
-_HF_SNAPSHOT = re.compile(r"^(.*/models--[^/]+)/snapshots/[^/]+(?:/.*)?$")
-
-
 @dataclass(frozen=True)
 class LinkBoundary:
     """Where the links of an input folder may lead (SPEC §6, trust boundary).
 
     A downloaded folder decides what its links name: ``tokenizer.json -> /etc/passwd`` would
     otherwise be read, and copied into an output that may be shared. So a path read from
-    the folder must resolve inside one of ``roots``: the folder itself, and for a Hugging
-    Face cache snapshot the repository's cache folder (``models--org--name/``), unless
-    ``allow_outside`` (``--follow-symlinks``).
+    the folder must resolve inside one of ``roots``: the folder itself (and the folder the user
+    named, a cache repository whose snapshot is read), and for a Hugging Face cache snapshot the
+    repository's cache folder (``models--org--name/``), unless ``allow_outside``
+    (``--follow-symlinks``).
 
     >>> b = LinkBoundary.around("/hub/models--org--m/snapshots/abc", False)
     >>> b.roots[-1]
@@ -181,13 +185,14 @@ class LinkBoundary:
     allow_outside: bool = False
 
     @classmethod
-    def around(cls, folder: str, allow_outside: bool) -> "LinkBoundary":
+    def around(cls, folder: str, allow_outside: bool, named: str | None = None) -> "LinkBoundary":
+        """The boundary of ``folder``, read for the folder the user ``named`` (by default itself)."""
         real = os.path.realpath(folder)
-        roots = [real]
+        roots = [real, os.path.realpath(named or folder)]
         for candidate in (os.path.abspath(folder), real):
-            match = _HF_SNAPSHOT.match(candidate)
-            if match:
-                roots.append(os.path.realpath(match.group(1)))
+            repository = snapshot_repository(candidate)
+            if repository:
+                roots.append(os.path.realpath(repository))
         return cls(folder, tuple(dict.fromkeys(roots)), allow_outside)
 
     def admits(self, real: str) -> bool:
@@ -348,10 +353,26 @@ def _pick_in_folder(folder: str) -> str:
                           f"({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX}) file")
 
 
-def _read_torch_shard(path: str):
+def _model_folder(path: str, allow_outside_links: bool) -> str:
+    """The folder whose files are the checkpoint: ``path``, or, for a Hugging Face cache
+    repository folder (or its ``snapshots/``) that holds no weight file itself, the snapshot it
+    stands for (hf_cache.py)."""
+    repository = cache_repository(path)
+    if repository is None or any(n.endswith(WEIGHT_SUFFIXES) for n in os.listdir(path)):
+        return path
+    return pick_snapshot(repository, LinkBoundary.around(repository, allow_outside_links).check)
+
+
+def _read_torch(path: str, key: str | None = None):
+    """read_torch, once the content shows a torch.save file (what it is otherwise is the error)."""
     from .torch_file import read_torch
 
-    contents = read_torch(path)
+    check_pytorch(path)
+    return read_torch(path, key)
+
+
+def _read_torch_shard(path: str):
+    contents = _read_torch(path)
     return contents.tensors, {}, contents.aliases
 
 
