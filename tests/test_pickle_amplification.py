@@ -21,7 +21,7 @@ from conftest import time_limit
 from fusectl.errors import CheckpointError
 from fusectl.io import torch_file
 from fusectl.io.torch_file import read_torch
-from test_torch_reader import OD, dict_of, g, i, pkl, refused, s, tensor, torch_zip
+from test_torch_reader import OD, dict_of, g, i, legacy_file, pkl, refused, s, storage, tensor, torch_zip
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = "FUSECTL_MAX_PICKLE_MEMORY"
@@ -162,6 +162,24 @@ def test_a_budget_raised_reads_the_same_files(tmp_path, monkeypatch, case):
     with time_limit(20):
         contents = read_torch(path)
     assert list(contents.tensors) == ["w"] and contents.ignored == ["junk"]
+
+
+def test_the_pickles_of_a_legacy_file_share_one_budget(tmp_path, monkeypatch):
+    # the legacy format is five pickles (magic, version, system info, the object, the keys)
+    main = pkl(dict_of((s("w"), tensor(storage(legacy=True))), (s("junk"), memoized(int_list(20_000))
+                                                                 + calls(g("torch", "Size"), GET0 + b"\x85", 50))))
+    path = legacy_file(tmp_path / "l.pt", main)
+    monkeypatch.setenv(BUDGET, "4000000")
+    monkeypatch.setattr(torch_file._Loader, "load", _must_not_unpickle)
+    refused(path, BUDGET, "(a call of 'torch.Size')")
+    # a key list that is large on its own is counted after the object pickle's bytes
+    keys = pkl(memoized(int_list(200_000)) + b"(" + s("0") + b"l")
+    small = pkl(dict_of((s("w"), tensor(storage(legacy=True))), (s("junk"), int_list(150_000))))
+    monkeypatch.setattr(torch_file._Loader, "load", torch_file.pickle.Unpickler.load)
+    monkeypatch.delenv(BUDGET)
+    assert list(read_torch(legacy_file(tmp_path / "k.pt", small, keys=keys)).tensors) == ["w"]
+    monkeypatch.setenv(BUDGET, "3500000")  # more than either pickle builds, less than both
+    refused(legacy_file(tmp_path / "k.pt", small, keys=keys), BUDGET)
 
 
 def test_the_loader_counts_what_calls_copy_too(tmp_path, monkeypatch):
