@@ -211,11 +211,12 @@ class AdapterPlan:
 
 
 def make_adapter_plan(table: ParamTable, lora: LoraConfig, config_text: str, rulesets: Sequence[RuleSet],
-                      untie: bool = False, config: Mapping | None = None) -> AdapterPlan:
+                      untie: bool = False, config: Mapping | None = None, proof=None) -> AdapterPlan:
     """Bind ``rulesets`` to the adapter's base view and lift each step to A and B; the last group
-    rewrites ``adapter_config.json`` (target_modules, rank_pattern, alpha_pattern)."""
+    rewrites ``adapter_config.json`` (target_modules, rank_pattern, alpha_pattern). ``proof``
+    admits the base view's bindings (``unfuse -r``, ``planner.BindingProof``)."""
     modules = lora_modules(table, lora)
-    base_plan, _ = make_plan(base_view(table, modules), rulesets, untie=True, config=config)
+    base_plan, _ = make_plan(base_view(table, modules), rulesets, untie=True, config=config, proof=proof)
     current = table.copy()
     groups: list[StepGroup] = []
     for group in base_plan.groups:

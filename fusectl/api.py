@@ -113,7 +113,8 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
         steps, result = make_plan(table, rulesets, untie, checkpoint.config, origins=origins, proof=proof)
         return Planned(checkpoint, table, steps, result)
     where, text, raw = adapter
-    lifted = make_adapter_plan(table, LoraConfig.parse(raw, where), text, rulesets, untie, checkpoint.config)
+    lifted = make_adapter_plan(table, LoraConfig.parse(raw, where), text, rulesets, untie, checkpoint.config,
+                               proof=proof)
     return Planned(checkpoint, table, lifted.plan, lifted.table, lifted.base)
 
 
@@ -199,13 +200,13 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
     if rules:
         loaded = _load_with_origins(checkpoint, rules)
-        history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
+        history = _bound_history(checkpoint)
         rulesets, proof = invert_with_proof([r for r, _ in loaded], [o for _, o in loaded], history,
                                             str(checkpoint.path))
         start = _prepared_table(checkpoint, rulesets, False, write_ties_once)
         planned = _bind(checkpoint, start, rulesets, untie, proof=proof)
         table = run_plan(start, planned.plan, str(checkpoint.path), untie)
-        new = planned.plan
+        history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
         lora_base = planned.lora_base
         if proof.left_alone and on_note is not None:
             on_note(f"left {len(proof.left_alone)} tensor(s) alone that the provenance says the rules did not "
@@ -222,6 +223,17 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         lora_base = None
     return _write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                   progress=progress, on_note=on_note, lora_base=lora_base)
+
+
+def _bound_history(checkpoint: Checkpoint) -> Plan:
+    """The recorded plan on the names rules bind to: an adapter's base view (its provenance's
+    ``lora_base``), else the checkpoint's own."""
+    provenance = checkpoint.provenance
+    if provenance is None:
+        return Plan()
+    if adapter_config(checkpoint) is not None:
+        return provenance.lora_base or Plan()
+    return provenance.plan
 
 
 def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False,

@@ -150,3 +150,21 @@ def test_chained_rules_files_are_undone_in_reverse_through_the_provenance(cli, c
 
 def _ones(n):
     return np.ones(n, np.float32)
+
+
+def test_a_lora_adapter_is_undone_through_its_base_views_provenance(cli, fixtures_dir, tmp_path):
+    """An adapter's rules bind to its base view (m.weight names): the proof reads the recorded
+    base plan (lora_base); without a provenance the same unfuse -r is refused."""
+    lora, config = fixtures_dir / "lora" / "llama-lora", fixtures_dir / "lora" / "llama-base" / "config.json"
+    fused, back = tmp_path / "fused", tmp_path / "back"
+    ok(cli("fuse", lora, "--config", config, "-r", "llama-qkv", "-o", fused))
+    ok(cli("unfuse", fused, "--config", config, "-r", "llama-qkv", "-o", back))
+    restored = load_checkpoint_raw(back)
+    assert "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight" in restored
+    assert not any("qkv_proj" in name for name in restored)
+    adapter = fused / "adapter_model.safetensors"
+    _without_provenance(adapter, adapter)
+    guessed = tmp_path / "guessed"
+    refused(cli("unfuse", fused, "--config", config, "-r", "llama-qkv", "-o", guessed),
+            "rule 'attn-qkv (inverse)'", "may be a tensor the forward rule left alone", "has no fusectl provenance",
+            unwritten=[guessed])
