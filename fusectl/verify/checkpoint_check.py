@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import FusectlError, PlanError, RuleError, VerifyError, quote
+from ..errors import FusectlError, PlanError, RuleError, VerifyError, printable, quote
 from ..executor import Evaluation, apply_group, is_exact, run_plan
 from ..adapters import LoraConfig, make_adapter_plan
 from ..io.checkpoint import Checkpoint, adapter_config
@@ -213,7 +213,7 @@ def _rederive(group: StepGroup, table: ParamTable, reference: Checkpoint, adapte
         return True, None, "not re-derived: an adapter's steps are lifted from its base view"
     try:
         found = _recorded_rule(group, reference)
-    except RuleError as e:
+    except FusectlError as e:
         return False, None, f"the recorded rules do not load: {e}"
     if isinstance(found, str):
         return True, None, f"not re-derived: {found}"
@@ -273,7 +273,7 @@ def _step_record(step: Step) -> tuple:
 
 
 def _describe(step: Step) -> str:
-    return f"{step.op.kind} {_names(step.inputs)} -> {_names(step.outputs)} {step.op.params()}"
+    return f"{step.op.kind} {_names(step.inputs)} -> {_names(step.outputs)} {printable(str(step.op.params()))}"
 
 
 def _names(names: Sequence[str]) -> str:
