@@ -90,11 +90,14 @@ def test_unfuse_preset_turns_the_in_memory_state_dict_into_the_saved_file(cli, c
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_unfuse_preset_inverted_from_its_rules_gives_the_memory_layout(cli, copy_fixture, tmp_path, name):
-    src, memory, _, to_disk = _model(name, copy_fixture)
+def test_unfuse_preset_inverted_without_provenance_is_refused(cli, copy_fixture, tmp_path, name):
+    """Without a provenance, names cannot prove that the on-disk tensors came out of the -unfuse
+    preset (a router left alone looks the same), so `unfuse -r` refuses and points to the forward
+    preset; `fuse -r <to-memory preset>` is the way (tested above)."""
+    src, _, _, to_disk = _model(name, copy_fixture)
     out = tmp_path / "memory.safetensors"
-    ok(cli("unfuse", src / "model.safetensors", "-r", to_disk, "-o", out))
-    assert load_checkpoint_raw(out) == parse_safetensors(memory)[0]
+    refused(cli("unfuse", src / "model.safetensors", "-r", to_disk, "-o", out),
+            "(inverse)", to_disk, "would be a guess", "no fusectl provenance", unwritten=[out])
 
 
 # ------------------------------------------------------------------------------ refusals
