@@ -153,6 +153,16 @@ def load_checkpoint_raw(path) -> dict[str, tuple[str, list[int], bytes]]:
     return parse_safetensors(path)[0]
 
 
+def with_provenance(path, out, edit=None):
+    """A copy of the single safetensors file ``path`` at ``out`` whose fusectl provenance record is
+    ``edit(record)``, or removed when ``edit`` is None (a checkpoint fusectl did not write)."""
+    tensors, meta = parse_safetensors(path)
+    record = json.loads(meta.pop("fusectl"))
+    if edit is not None:
+        meta["fusectl"] = json.dumps(edit(record))
+    return write_safetensors(out, {n: array_of(t) for n, t in tensors.items()}, meta)
+
+
 def metadata_of(path) -> dict[str, str]:
     """``__metadata__`` of a single safetensors file or a folder's (index) metadata."""
     path = Path(path)

@@ -8,28 +8,15 @@ its inputs) are proven, and any other binding is refused, naming the tensor.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
-from conftest import (array_of, load_checkpoint_raw, metadata_of, ok, parse_safetensors, refused,
-                      write_rules, write_safetensors)
+from conftest import load_checkpoint_raw, metadata_of, ok, refused, with_provenance, write_rules, write_safetensors
 
 LLAMA = "tiny-llama-gqa"
 GPT2 = "wild/gpt2-conv1d"
 GPT2_RULES = "wild/gpt2-conv1d-to-linear.toml"
 IN_PLACE_RULES = "wild/gpt2-mlp-in-place.toml"
 STRIP = 'version = 1\n[[rule]]\nname = "strip"\nop = "rename"\ninput = "model.{r*}"\noutput = "{r*}"\n'
-
-
-def _without_provenance(path, out, edit=None):
-    """A copy of the single-file checkpoint ``path`` with its fusectl provenance removed (or,
-    with ``edit``, replaced by edit(record))."""
-    tensors, meta = parse_safetensors(path)
-    record = json.loads(meta.pop("fusectl"))
-    if edit is not None:
-        meta["fusectl"] = json.dumps(edit(record))
-    return write_safetensors(out, {n: array_of(t) for n, t in tensors.items()}, meta)
 
 
 def test_a_prefix_strip_undone_with_its_rules_leaves_what_it_did_not_rename(cli, copy_fixture, tmp_path):
@@ -49,7 +36,7 @@ def test_a_prefix_strip_without_provenance_is_refused_naming_the_tensor(cli, cop
     rules = write_rules(tmp_path / "strip.toml", STRIP)
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", rules, "-o", fused))
-    stripped = _without_provenance(fused, tmp_path / "stripped.safetensors")
+    stripped = with_provenance(fused, tmp_path / "stripped.safetensors")
     back = tmp_path / "back.safetensors"
     refused(cli("unfuse", stripped, "-r", rules, "-o", back),
             "rule 'strip (inverse)'", "'embed_tokens.weight' may be a tensor the forward rule left alone",
@@ -78,7 +65,7 @@ def test_gpt2_conv1d_rules_without_provenance_are_refused(cli, fixtures_dir, cop
     rules = fixtures_dir / GPT2_RULES
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", rules, "-o", fused))
-    stripped = _without_provenance(fused, tmp_path / "stripped.safetensors")
+    stripped = with_provenance(fused, tmp_path / "stripped.safetensors")
     back = tmp_path / "back.safetensors"
     refused(cli("unfuse", stripped, "-r", rules, "-o", back, "--config", src / "config.json"),
             "rule 'conv1d-to-linear (inverse)'", "'transformer.h.0.attn.c_proj.weight' may be a tensor",
@@ -92,7 +79,7 @@ def test_an_in_place_step_is_proven_without_provenance(cli, fixtures_dir, copy_f
     rules = fixtures_dir / IN_PLACE_RULES
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", rules, "-o", fused))
-    stripped = _without_provenance(fused, tmp_path / "stripped.safetensors")
+    stripped = with_provenance(fused, tmp_path / "stripped.safetensors")
     back = tmp_path / "back.safetensors"
     ok(cli("unfuse", stripped, "-r", rules, "-o", back))
     assert load_checkpoint_raw(back) == load_checkpoint_raw(src)
@@ -111,7 +98,7 @@ def test_rules_that_do_not_fit_the_recorded_steps_are_refused(cli, tmp_path):
             group.pop("origin", None)
         return record
 
-    old = _without_provenance(fused, tmp_path / "old.safetensors", old_style)
+    old = with_provenance(fused, tmp_path / "old.safetensors", old_style)
     # the same file and rule name, edited after the fuse: it would now undo b.w into c.w
     write_rules(rules, 'version = 1\n[[rule]]\nop = "rename"\ninput = "c.{x}"\noutput = "b.{x}"\n')
     back = tmp_path / "back.safetensors"
@@ -163,7 +150,7 @@ def test_a_lora_adapter_is_undone_through_its_base_views_provenance(cli, fixture
     assert "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight" in restored
     assert not any("qkv_proj" in name for name in restored)
     adapter = fused / "adapter_model.safetensors"
-    _without_provenance(adapter, adapter)
+    with_provenance(adapter, adapter)
     guessed = tmp_path / "guessed"
     refused(cli("unfuse", fused, "--config", config, "-r", "llama-qkv", "-o", guessed),
             "rule 'attn-qkv (inverse)'", "may be a tensor the forward rule left alone", "has no fusectl provenance",

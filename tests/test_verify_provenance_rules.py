@@ -10,20 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 
-from conftest import array_of, ok, parse_safetensors, write_rules, write_safetensors
+from conftest import ok, with_provenance, write_rules
 from fusectl.rules.presets import preset_text
 
 BERT = "tiny-bert"
 LIE = preset_text("bert-qkv").replace(
     'attention.self.key.{t}",\n          "{p*}.layer.{i:int}.attention.self.value.{t}"',
     'attention.self.value.{t}",\n          "{p*}.layer.{i:int}.attention.self.key.{t}"')
-
-
-def _rewritten(path, out, edit):
-    """A copy of the single-file checkpoint ``path`` whose provenance record is edit(record)."""
-    tensors, meta = parse_safetensors(path)
-    meta["fusectl"] = json.dumps(edit(json.loads(meta["fusectl"])))
-    return write_safetensors(out, {n: array_of(t) for n, t in tensors.items()}, meta)
 
 
 def _claiming_the_preset(keep_origin: bool):
@@ -45,7 +38,7 @@ def _lying_candidate(cli, copy_fixture, tmp_path, keep_origin: bool):
     src = copy_fixture(BERT)
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", write_rules(tmp_path / "lie.toml", LIE), "-o", fused))
-    return src, _rewritten(fused, tmp_path / "candidate.safetensors", _claiming_the_preset(keep_origin))
+    return src, with_provenance(fused, tmp_path / "candidate.safetensors", _claiming_the_preset(keep_origin))
 
 
 def test_a_provenance_whose_steps_its_recorded_rule_does_not_give_fails(cli, copy_fixture, tmp_path):
@@ -94,7 +87,7 @@ def test_an_old_provenance_of_a_rules_file_passes_with_a_note(cli, copy_fixture,
             group.pop("origin", None)
         return record
 
-    candidate = _rewritten(fused, tmp_path / "old.safetensors", old)
+    candidate = with_provenance(fused, tmp_path / "old.safetensors", old)
     result = ok(cli("verify", src, candidate, "--provider", "cpu"))
     assert "PASS rules rule 'bert-qkv'" in result.stdout and "not re-derived: the provenance predates" in result.stdout
     assert "pass -r RULES" in result.stdout
@@ -110,7 +103,7 @@ def test_recorded_config_values_the_reference_contradicts_fail(cli, copy_fixture
         record["plan"][0]["origin"]["config"] = {"hidden_size": 16}
         return record
 
-    candidate = _rewritten(fused, tmp_path / "candidate.safetensors", other_size)
+    candidate = with_provenance(fused, tmp_path / "candidate.safetensors", other_size)
     result = cli("verify", src, candidate, "--provider", "cpu")
     assert result.exit_code == 1, result.output
     assert "the rule was bound with config 'hidden_size' = 16, but the reference's config.json says 32" in result.stdout
@@ -125,7 +118,7 @@ def test_a_recorded_rules_text_that_does_not_match_its_hash_is_refused(cli, copy
         record["plan"][0]["origin"]["text"] = LIE
         return record
 
-    candidate = _rewritten(fused, tmp_path / "candidate.safetensors", swapped)
+    candidate = with_provenance(fused, tmp_path / "candidate.safetensors", swapped)
     result = cli("verify", src, candidate, "--provider", "cpu")
     assert result.exit_code == 2 and "the rules text does not have the recorded SHA-256" in result.stderr
     assert "fusectl provenance is unreadable" in result.stderr
@@ -140,7 +133,7 @@ def test_a_recorded_rule_index_past_the_file_fails(cli, copy_fixture, tmp_path):
         record["plan"][0]["origin"]["rule"] = 7
         return record
 
-    candidate = _rewritten(fused, tmp_path / "candidate.safetensors", past)
+    candidate = with_provenance(fused, tmp_path / "candidate.safetensors", past)
     result = cli("verify", src, candidate, "--provider", "cpu")
     assert result.exit_code == 1, result.output
     assert "the recorded rules do not load: preset bert-qkv has no rule 'bert-qkv' at index 7" in result.stdout

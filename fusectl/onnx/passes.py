@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 
