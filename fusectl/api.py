@@ -195,8 +195,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
-    those the provenance records the rule making, else those the forward rule would have
-    consumed had they been its inputs; any other binding is a PlanError naming the tensor."""
+    those the provenance records the rule making; the others are left alone, and without a
+    provenance every binding is a PlanError naming the tensor."""
     checkpoint = _checkpoint(ckpt, config, follow_symlinks)
     if rules:
         loaded = _load_with_origins(checkpoint, rules)
@@ -225,14 +225,14 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
                   progress=progress, on_note=on_note, lora_base=lora_base)
 
 
-def _bound_history(checkpoint: Checkpoint) -> Plan:
+def _bound_history(checkpoint: Checkpoint) -> Plan | None:
     """The recorded plan on the names rules bind to: an adapter's base view (its provenance's
-    ``lora_base``), else the checkpoint's own."""
+    ``lora_base``), else the checkpoint's own; None when nothing is recorded."""
     provenance = checkpoint.provenance
     if provenance is None:
-        return Plan()
+        return None
     if adapter_config(checkpoint) is not None:
-        return provenance.lora_base or Plan()
+        return provenance.lora_base
     return provenance.plan
 
 

@@ -103,8 +103,9 @@ def test_preset_round_trip_through_provenance(cli, copy_fixture, tmp_path, name)
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_round_trip_through_inverted_rules(cli, copy_fixture, tmp_path, name):
     """unfuse -r PRESET inverts the preset's rules, binding by binding, where the provenance
-    proves the forward rule made each tensor; without provenance only in-place steps are proven
-    (llama-rope), the others are refused naming a tensor (tests/test_unfuse_rules_proof.py)."""
+    proves the forward rule made each tensor; without provenance nothing is proven, not even an
+    in-place step (llama-rope), and every binding is refused naming a tensor
+    (tests/test_unfuse_rules_proof.py)."""
     src, args = _ckpt_args(name, copy_fixture, tmp_path)
     out = tmp_path / "out.safetensors"
     ok(cli("fuse", *args, "-r", name, "-o", out))
@@ -120,12 +121,8 @@ def test_preset_round_trip_through_inverted_rules(cli, copy_fixture, tmp_path, n
     assert load_checkpoint_raw(back) == load_checkpoint_raw(src)
     guessed = tmp_path / "guessed.safetensors"
     result = cli("unfuse", stripped, "-r", name, "-o", guessed, *extra)
-    if name == "llama-rope":
-        ok(result)
-        assert load_checkpoint_raw(guessed) == load_checkpoint_raw(src)
-    else:
-        assert result.exit_code == 2 and "may be a tensor the forward rule left alone" in result.stderr
-        assert not guessed.exists()
+    assert result.exit_code == 2 and "may be a tensor the forward rule left alone" in result.stderr
+    assert not guessed.exists()
 
 
 # ------------------------------------------------------------------------------- llama-rope

@@ -2,8 +2,9 @@
 
 An inverted rule's pattern is the forward rule's output pattern, which may also match tensors
 the forward rule left alone. With a provenance, the recorded steps of the rule say exactly which
-tensors it made; without one, only tensors the forward rule would have consumed (had they been
-its inputs) are proven, and any other binding is refused, naming the tensor.
+tensors it made and every other tensor is left alone; without one nothing is proven (not even
+an in-place step, whose names are the same before and after) and every binding is refused,
+naming the tensor.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def test_a_prefix_strip_without_provenance_is_refused_naming_the_tensor(cli, cop
     back = tmp_path / "back.safetensors"
     refused(cli("unfuse", stripped, "-r", rules, "-o", back),
             "rule 'strip (inverse)'", "'embed_tokens.weight' may be a tensor the forward rule left alone",
-            "does not match 'model.{r*}'", "has no fusectl provenance", "fusectl unfuse CKPT -o OUT",
+            "has no fusectl provenance", "fusectl unfuse CKPT -o OUT",
             unwritten=[back])
 
 
@@ -72,17 +73,34 @@ def test_gpt2_conv1d_rules_without_provenance_are_refused(cli, fixtures_dir, cop
             "'transformer.h.0.attn.c_conv1d.weight'", unwritten=[back])
 
 
-def test_an_in_place_step_is_proven_without_provenance(cli, fixtures_dir, copy_fixture, tmp_path):
-    """A tensor that fits the forward rule's input pattern would have been consumed by it, so
-    the rule made it: an in-place transpose inverts from the rules alone."""
+def test_an_in_place_step_without_provenance_is_refused(cli, fixtures_dir, copy_fixture, tmp_path):
+    """An in-place transpose has the same names before and after, so a never-fused checkpoint
+    looks exactly like a fused one: without a provenance nothing is proven and nothing changes.
+    With the provenance the same rules undo it bitwise."""
     src = copy_fixture(GPT2)
     rules = fixtures_dir / IN_PLACE_RULES
+    never_fused = tmp_path / "never.safetensors"
+    refused(cli("unfuse", src, "-r", rules, "-o", never_fused),
+            "'transformer.h.0.mlp.c_fc.weight' may be a tensor the forward rule left alone",
+            "no fusectl provenance", unwritten=[never_fused])
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", rules, "-o", fused))
-    stripped = with_provenance(fused, tmp_path / "stripped.safetensors")
     back = tmp_path / "back.safetensors"
-    ok(cli("unfuse", stripped, "-r", rules, "-o", back))
+    ok(cli("unfuse", fused, "-r", rules, "-o", back))
     assert load_checkpoint_raw(back) == load_checkpoint_raw(src)
+
+
+def test_a_provenance_without_the_rule_proves_it_made_nothing(cli, fixtures_dir, copy_fixture, tmp_path):
+    """Fused with other rules, the provenance records no step of the in-place rule: it made
+    nothing, so its inverse is refused rather than transposing what the other rules left."""
+    src = copy_fixture(GPT2)
+    other = write_rules(tmp_path / "other.toml", 'version = 1\n[[rule]]\nname = "ln"\nop = "rename"\n'
+                                                 'input = "transformer.ln_f.{t}"\noutput = "transformer.ln_final.{t}"\n')
+    fused = tmp_path / "fused.safetensors"
+    ok(cli("fuse", src, "-r", other, "-o", fused))
+    back = tmp_path / "back.safetensors"
+    refused(cli("unfuse", fused, "-r", fixtures_dir / IN_PLACE_RULES, "-o", back),
+            "every tensor it matches is one the provenance", "did not make", unwritten=[back])
 
 
 def test_rules_that_do_not_fit_the_recorded_steps_are_refused(cli, tmp_path):
@@ -120,8 +138,8 @@ def test_a_rule_the_provenance_says_made_nothing_it_matches_is_refused(cli, copy
     other = write_rules(tmp_path / "other.toml", 'version = 1\n[[rule]]\nname = "r"\nop = "rename"\n'
                                                  'input = "c.{x}"\noutput = "b.{x}"\n')
     back = tmp_path / "back.safetensors"
-    refused(cli("unfuse", fused, "-r", other, "-o", back), "may be a tensor the forward rule left alone",
-            "records no step of rule 'r'", unwritten=[back])
+    refused(cli("unfuse", fused, "-r", other, "-o", back), "every tensor it matches is one the provenance",
+            "says rule 'r'", "did not make", unwritten=[back])
 
 
 def test_chained_rules_files_are_undone_in_reverse_through_the_provenance(cli, copy_fixture, tmp_path):

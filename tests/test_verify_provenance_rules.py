@@ -73,10 +73,10 @@ def test_an_honest_fuse_is_re_derived(cli, copy_fixture, tmp_path):
     assert "PASS rules rule 'bert-qkv' (preset bert-qkv)  (4 step(s) re-derived from the recorded rule)" in result.stdout
 
 
-def test_an_old_provenance_of_a_rules_file_passes_with_a_note(cli, copy_fixture, tmp_path):
-    """A record written before fusectl kept rules texts, of a rules file that is nowhere to be
-    read: its steps are still checked (data, inverse, ties, probes); the report says that they
-    could not be re-derived, and -r checks against the rules."""
+def test_a_provenance_without_rules_text_of_a_rules_file_fails_naming_what_to_do(cli, copy_fixture, tmp_path):
+    """A record with no rules text that names no shipped preset (written before fusectl kept
+    rules texts, or a lie with its origin dropped) cannot be re-derived: the rules check fails,
+    saying to pass -r, which then checks the steps against the rules."""
     src = copy_fixture(BERT)
     rules = write_rules(tmp_path / "honest.toml", preset_text("bert-qkv"))
     fused = tmp_path / "fused.safetensors"
@@ -88,10 +88,31 @@ def test_an_old_provenance_of_a_rules_file_passes_with_a_note(cli, copy_fixture,
         return record
 
     candidate = with_provenance(fused, tmp_path / "old.safetensors", old)
-    result = ok(cli("verify", src, candidate, "--provider", "cpu"))
-    assert "PASS rules rule 'bert-qkv'" in result.stdout and "not re-derived: the provenance predates" in result.stdout
+    result = cli("verify", src, candidate, "--provider", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "FAIL rules rule 'bert-qkv'" in result.stdout and "records no rules text" in result.stdout
     assert "pass -r RULES" in result.stdout
+    assert "FAIL tensor" not in result.stdout and "FAIL probe" not in result.stdout
     ok(cli("verify", src, candidate, "--provider", "cpu", "-r", rules))
+
+
+def test_other_rules_recorded_under_a_presets_name_fail(cli, copy_fixture, tmp_path):
+    """The lie keeps its own rules text (and its matching hash) but names preset bert-qkv: the
+    steps follow the recorded text, so the group is also re-derived from the preset as shipped."""
+    src = copy_fixture(BERT)
+    fused = tmp_path / "fused.safetensors"
+    ok(cli("fuse", src, "-r", write_rules(tmp_path / "lie.toml", LIE), "-o", fused))
+
+    def renamed(record):
+        for group in record["plan"]:
+            group["source"] = "preset bert-qkv"
+        return record
+
+    candidate = with_provenance(fused, tmp_path / "candidate.safetensors", renamed)
+    result = cli("verify", src, candidate, "--provider", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "FAIL rules rule 'bert-qkv' (preset bert-qkv)" in result.stdout
+    assert "preset bert-qkv as shipped: step 0: the provenance records concat" in result.stdout
 
 
 def test_recorded_config_values_the_reference_contradicts_fail(cli, copy_fixture, tmp_path):

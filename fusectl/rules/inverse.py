@@ -12,10 +12,12 @@ tell the two apart, so :class:`InverseProof` admits a binding only when it is pr
   recorded steps whose outputs are still the tensors of that name (same op, parameters, names
   and specs) and leaves every other tensor alone. A binding that overlaps a recorded step but
   is not it is refused.
-* **by the patterns**, otherwise: a tensor the inverse would consume is proven to be the
-  forward rule's output only if it matches one of the forward rule's input patterns (had it
-  been in the input, the forward rule would have consumed it: in-place steps such as
-  ``llama-rope`` or a transpose). Any other binding is ambiguous and refused, naming the tensor.
+  A provenance that records no step of the forward rule (an ``unfuse`` wrote an empty plan,
+  or the file was fused with other rules) proves that the rule made nothing there: every
+  binding is left alone, and a rule none of whose bindings is admitted is an error.
+* Without a provenance nothing is proven: not even an in-place step (``llama-rope``, a
+  transpose), whose input and output names are the same, so a never-fused tensor looks exactly
+  like one the rule rewrote. Every binding is refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class InverseProof:
                  history: Plan | None, where: str):
         self._inverted = inverted  # keeps the rules whose ids key ``forward`` alive
         self._forward = forward
+        self._recorded = history is not None
         self._history = history if history is not None else Plan()
         self._writers = _Writers(self._history)
         self._where = where
@@ -100,11 +103,14 @@ class InverseProof:
 
     def admits(self, rule: Rule, step: Step) -> bool:
         forward, origin = self._forward[id(rule)]
-        groups = self._recorded_groups(forward, origin)
-        if groups:
-            return self._by_provenance(rule, forward, step, groups)
-        self._by_patterns(rule, forward, step)
-        return True
+        if not self._recorded:
+            raise PlanError(
+                f"{rule.describe()}: {quote(step.inputs[0])} may be a tensor the forward rule left alone, "
+                f"and {self._where} has no fusectl provenance to tell (names cannot: a tensor "
+                f"{forward.describe()} never touched has the name of one it made), so undoing it into "
+                f"{_names(step.outputs)} would be a guess; {_USE_PROVENANCE}, or "
+                "write the conversion as forward rules for `fusectl fuse`")
+        return self._by_provenance(rule, forward, step, self._recorded_groups(forward, origin))
 
     def nothing_admitted(self, rule: Rule) -> PlanError:
         forward, _ = self._forward[id(rule)]
@@ -138,19 +144,6 @@ class InverseProof:
             f"provenance of {self._where} records {forward.describe()} making {_names(recorded.outputs)} "
             f"from {_names(recorded.inputs)} ({recorded.op.kind}); the rules do not fit what was recorded. "
             f"{_USE_PROVENANCE[0].upper()}{_USE_PROVENANCE[1:]}")
-
-    def _by_patterns(self, rule: Rule, forward: Rule, step: Step) -> None:
-        patterns = [p for p in forward.inputs if p is not None]
-        for name in step.inputs:
-            if any(p.match(name) is not None for p in patterns):
-                continue  # had it been an input, the forward rule would have consumed it
-            recorded = ("has no fusectl provenance" if not self._history.groups
-                        else f"has a provenance that records no step of {forward.describe()}")
-            raise PlanError(
-                f"{rule.describe()}: {quote(name)} may be a tensor the forward rule left alone (it does not "
-                f"match {_names(p.text for p in patterns)}), so undoing it into {_names(step.outputs)} "
-                f"would be a guess, and {self._where} {recorded} to tell; {_USE_PROVENANCE}, or write "
-                "the conversion as forward rules for `fusectl fuse`")
 
 
 def _undoes(forward: Rule, recorded: Step, step: Step) -> bool:

@@ -192,11 +192,13 @@ def rule_checks(reference: Checkpoint, plan: Plan, adapter: bool = False) -> lis
     steps (op, parameters, names, specs).
 
     A group recorded with its rule's origin (the rules text and the config values its vars read)
-    is re-derived from that text. A group written before fusectl recorded origins is re-derived
-    only when it names a shipped preset (its text is known, the reference's config.json gives
-    the vars); otherwise the check passes with a note saying it could not be re-derived, since
-    the rule that made it is nowhere to be read (``-r RULES`` checks against the rules instead).
-    A LoRA adapter's groups are lifted from its base view and are noted the same way.
+    is re-derived from that text. A group that names a shipped preset is also re-derived from
+    the preset as shipped (with the reference's config.json for the vars) whenever the recorded
+    text is not the preset's, so a provenance cannot borrow a preset's name for other rules.
+    A group that records no origin and names no shipped preset fails: the rule that made it is
+    nowhere to be read, and a provenance could drop its origin to escape the check (``-r RULES``
+    checks against the rules instead). A LoRA adapter's groups are lifted from its base view
+    and are noted as not re-derived.
     """
     table = reference.table.copy()
     checks = []
@@ -212,12 +214,21 @@ def _rederive(group: StepGroup, table: ParamTable, reference: Checkpoint, adapte
     if adapter:
         return True, None, "not re-derived: an adapter's steps are lifted from its base view"
     try:
-        found = _recorded_rule(group, reference)
+        found = _recorded_rules(group, reference)
     except FusectlError as e:
         return False, None, f"the recorded rules do not load: {e}"
     if isinstance(found, str):
-        return True, None, f"not re-derived: {found}"
-    rule, origin, scheme = found
+        return False, None, f"not re-derived: {found}"
+    for rule, origin, scheme, what in found:
+        passed, _, detail = _rederive_from(group, table, reference, rule, origin, scheme)
+        if not passed:
+            return False, None, f"{what}: {detail}"
+    return True, None, f"{len(group.steps)} step(s) re-derived from {' and '.join(w for *_, w in found)}"
+
+
+def _rederive_from(group: StepGroup, table: ParamTable, reference: Checkpoint, rule, origin: RuleOrigin,
+                   scheme) -> tuple[bool, None, str]:
+    """(passed, None, detail): whether ``rule`` bound on ``table`` gives the group's steps."""
     disagreeing = _config_disagreement(origin, reference)
     if disagreeing:
         return False, None, disagreeing
@@ -235,27 +246,42 @@ def _rederive(group: StepGroup, table: ParamTable, reference: Checkpoint, adapte
     return True, None, f"{len(steps)} step(s) re-derived from the recorded rule"
 
 
-def _recorded_rule(group: StepGroup, reference: Checkpoint):
-    """The rule, origin and quantization scheme a group names, or why none can be read."""
+def _recorded_rules(group: StepGroup, reference: Checkpoint):
+    """[(rule, origin, scheme, what)] to re-derive a group from: the rules text it records and,
+    when it names a shipped preset whose text that is not, the preset as shipped; or why there
+    is nothing to re-derive it from."""
+    found = []
     origin = group.origin
     if origin is not None:
         ruleset = load_origin(origin, group.source)
         if origin.rule >= len(ruleset.rules) or ruleset.rules[origin.rule].name != group.rule:
             raise RuleError(f"{group.source} has no rule {quote(group.rule)} at index {origin.rule}")
-        return ruleset.rules[origin.rule], origin, QuantScheme(origin.block, "the provenance")
+        found.append((ruleset.rules[origin.rule], origin, QuantScheme(origin.block, "the provenance"),
+                      "the recorded rule"))
     preset = group.source[len("preset "):] if group.source.startswith("preset ") else None
-    if preset is None or preset not in preset_names():
-        return ("the provenance predates recorded rules and names no shipped preset; re-fuse with this "
-                "fusectl to record them, or pass -r RULES to check against the rules")
+    if preset is not None and preset in preset_names() and (origin is None or origin.text != preset_text(preset)):
+        shipped = _shipped_rule(group, preset, reference)
+        if isinstance(shipped, str):
+            return shipped
+        found.append(shipped)
+    if not found:
+        return ("the provenance records no rules text and names no shipped preset, so nothing says which "
+                "rule made these steps (a provenance written before fusectl recorded rules texts, or one "
+                "edited since); pass -r RULES with the rules it was fused with, or re-fuse with this fusectl")
+    return found
+
+
+def _shipped_rule(group: StepGroup, preset: str, reference: Checkpoint):
+    """(rule, origin, scheme, what) of the shipped preset a group names, or why it cannot be read."""
     try:
         ruleset = load_rules(preset_text(preset), group.source, reference.config)
     except RuleError as e:
-        return f"the provenance predates recorded rules and preset {preset} does not load here ({e})"
+        return f"the provenance names preset {preset}, which does not load here ({e})"
     index = next((k for k, r in enumerate(ruleset.rules) if r.name == group.rule), None)
     if index is None:
-        return f"the provenance predates recorded rules and preset {preset} has no rule {quote(group.rule)}"
+        return f"the provenance names preset {preset}, which has no rule {quote(group.rule)}"
     scheme = scheme_from(reference.config, [(ruleset.block_size, ruleset.source)] if ruleset.block_size else [])
-    return ruleset.rules[index], RuleOrigin(preset_text(preset), index), scheme
+    return ruleset.rules[index], RuleOrigin(preset_text(preset), index), scheme, f"preset {preset} as shipped"
 
 
 def _config_disagreement(origin: RuleOrigin, reference: Checkpoint) -> str:
