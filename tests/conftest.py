@@ -163,6 +163,14 @@ def with_provenance(path, out, edit=None):
     return write_safetensors(out, {n: array_of(t) for n, t in tensors.items()}, meta)
 
 
+def without_origins(record: dict) -> dict:
+    """A provenance record as fusectl wrote it before it recorded each group's rules text (an
+    ``edit`` for :func:`with_provenance`)."""
+    for group in record["plan"]:
+        group.pop("origin", None)
+    return record
+
+
 def metadata_of(path) -> dict[str, str]:
     """``__metadata__`` of a single safetensors file or a folder's (index) metadata."""
     path = Path(path)

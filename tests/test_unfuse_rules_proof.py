@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import load_checkpoint_raw, metadata_of, ok, refused, with_provenance, write_rules, write_safetensors
+from conftest import (load_checkpoint_raw, metadata_of, ok, refused, with_provenance, without_origins, write_rules,
+                      write_safetensors)
 
 LLAMA = "tiny-llama-gqa"
 GPT2 = "wild/gpt2-conv1d"
@@ -110,13 +111,7 @@ def test_rules_that_do_not_fit_the_recorded_steps_are_refused(cli, tmp_path):
     rules = write_rules(tmp_path / "r.toml", 'version = 1\n[[rule]]\nop = "rename"\ninput = "a.{x}"\noutput = "b.{x}"\n')
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", rules, "-o", fused))
-
-    def old_style(record):
-        for group in record["plan"]:
-            group.pop("origin", None)
-        return record
-
-    old = with_provenance(fused, tmp_path / "old.safetensors", old_style)
+    old = with_provenance(fused, tmp_path / "old.safetensors", without_origins)
     # the same file and rule name, edited after the fuse: it would now undo b.w into c.w
     write_rules(rules, 'version = 1\n[[rule]]\nop = "rename"\ninput = "c.{x}"\noutput = "b.{x}"\n')
     back = tmp_path / "back.safetensors"

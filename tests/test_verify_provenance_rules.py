@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from conftest import ok, with_provenance, write_rules
+from conftest import ok, with_provenance, without_origins, write_rules
 from fusectl.rules.presets import preset_text
 
 BERT = "tiny-bert"
@@ -81,13 +81,7 @@ def test_a_provenance_without_rules_text_of_a_rules_file_fails_naming_what_to_do
     rules = write_rules(tmp_path / "honest.toml", preset_text("bert-qkv"))
     fused = tmp_path / "fused.safetensors"
     ok(cli("fuse", src, "-r", rules, "-o", fused))
-
-    def old(record):
-        for group in record["plan"]:
-            group.pop("origin", None)
-        return record
-
-    candidate = with_provenance(fused, tmp_path / "old.safetensors", old)
+    candidate = with_provenance(fused, tmp_path / "old.safetensors", without_origins)
     result = cli("verify", src, candidate, "--provider", "cpu")
     assert result.exit_code == 1, result.output
     assert "FAIL rules rule 'bert-qkv'" in result.stdout and "records no rules text" in result.stdout
