@@ -7,16 +7,11 @@ The command line's jobs as functions (``fusectl.cli`` is an edge over them)::
     assert fusectl.verify("model/", "fused/").passed
 """
 
-__version__ = "0.1.0"
-
-# the subpackages named like API functions are loaded first: loading a submodule binds its
-# name on this package, and would otherwise replace the function later
-from . import plan as _plan_module, verify as _verify_package  # noqa: E402
 from .api import FuseReport, Planned, convert, export, fuse, map_names, plan, unfuse, verify  # noqa: E402
 
-del _plan_module, _verify_package
 from .errors import FusectlError  # noqa: E402
 from .io.checkpoint import Checkpoint, open_checkpoint  # noqa: E402
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "Checkpoint",

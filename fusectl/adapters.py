@@ -37,7 +37,7 @@ from .errors import CheckpointError, PlanError, quote
 from .executor import OpaqueTensor, apply_group
 from .ops import Op
 from .ops.layout import BlockDiagonal, Concat, Drop, MergeEqual, Rename, Replicate, Transpose
-from .plan import Plan, Step, StepGroup
+from .steps import Plan, Step, StepGroup
 from .planner import make_plan
 from .quantization import moved_ids
 from .rules.schema import RuleSet

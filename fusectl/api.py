@@ -25,7 +25,7 @@ from .adapters import ADAPTER_CONFIG, LoraConfig, make_adapter_plan
 from .config_edit import resolve_edits
 from .io.checkpoint import Checkpoint, Companion, adapter_config, open_checkpoint, read_config_text
 from .io.output import output_kind
-from .plan import Plan, RuleOrigin
+from .steps import Plan, RuleOrigin
 from .planner import make_plan
 from .rules.inverse import InverseProof, invert_with_proof
 from .rules.origin import load_recorded_rules
@@ -296,9 +296,9 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
            follow_symlinks: bool = False):
     """Prove ``candidate`` computes what ``reference`` computes: two ``.onnx`` models run on
     onnxruntime, or two checkpoints compared through the candidate's provenance (or ``rules``).
-    A :class:`~fusectl.verify.report.VerifyReport`; ``.passed`` says whether it did."""
-    from .verify.checkpoint_check import lora_base_for, plan_for, verify_checkpoints
-    from .verify.model_check import verify_models
+    A :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether it did."""
+    from .verification.checkpoint_check import lora_base_for, plan_for, verify_checkpoints
+    from .verification.model_check import verify_models
 
     def is_graph(path) -> bool:
         return not isinstance(path, Checkpoint) and os.fspath(path).endswith(".onnx")

@@ -13,12 +13,13 @@ import traceback
 
 import click
 
-from . import __version__, api
+from . import api
+from .version import __version__
 from .errors import FusectlError, printable
 from .adapters import LoraConfig, adapter_report
 from .io.checkpoint import Checkpoint, adapter_config, open_checkpoint, takes_key
 from .io.provenance import plan_to_json
-from .plan import Plan
+from .steps import Plan
 from .quantization import quantization_report, scale_names
 from .rules.presets import preset_description, preset_names, preset_text
 from .table import ParamTable
@@ -641,7 +642,7 @@ class ToleranceType(click.ParamType):
     name = "TOLERANCE"
 
     def convert(self, value, param, ctx):
-        from .verify.compare import check_tolerance
+        from .verification.compare import check_tolerance
 
         if isinstance(value, float):  # already converted
             return value
@@ -660,7 +661,7 @@ class SeedType(click.ParamType):
     name = "N"
 
     def convert(self, value, param, ctx):
-        from .verify.runner import check_seed
+        from .verification.runner import check_seed
 
         if isinstance(value, int):  # already converted (the default)
             return check_seed(value)
@@ -714,8 +715,8 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
     """
-    from .verify.model_check import load_inputs_file, model_input_paths
-    from .verify.report import check_report_destinations
+    from .verification.model_check import load_inputs_file, model_input_paths
+    from .verification.report import check_report_destinations
 
     ctx = click.get_current_context()
     parsed = {}

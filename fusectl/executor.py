@@ -1,4 +1,4 @@
-"""Run a plan: the steps of a :class:`~fusectl.plan.Plan` become frozen tasks over a table.
+"""Run a plan: the steps of a :class:`~fusectl.steps.Plan` become frozen tasks over a table.
 
 ``run_plan(table, plan)`` is the one place a plan is applied. Each step turns into a
 :class:`Task` (an op over the tensors it reads) whose outputs are :class:`StepOutput` tensors
@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import ComputeError, PlanError, TieError, quote
 from .ops import Op
-from .plan import Plan, Step, StepGroup
+from .steps import Plan, Step, StepGroup
 from .table import ParamTable
 from .tensors import ByteRange, LazyTensor, TensorSpec, read_ranges
 

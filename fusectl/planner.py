@@ -1,4 +1,4 @@
-"""Bind rules to a parameter table: the :class:`~fusectl.plan.Plan` they make, from headers alone.
+"""Bind rules to a parameter table: the :class:`~fusectl.steps.Plan` they make, from headers alone.
 
 Each rule binds against the table as the rules before it left it; the executor applies each
 group as it is bound (``executor.apply_group``), so the table the planner ends with is the one
@@ -14,7 +14,7 @@ from typing import Mapping, Protocol, Sequence
 from .errors import PlanError, RuleError, quote
 from .executor import apply_group
 from .limits import check_limit
-from .plan import Plan, RuleOrigin, Step, StepGroup
+from .steps import Plan, RuleOrigin, Step, StepGroup
 from .quantization import QuantScheme, scale_names, scheme_from, with_scales
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable

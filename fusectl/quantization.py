@@ -27,7 +27,7 @@ from .errors import PlanError, quote
 from .ops import Op
 from .ops.dequantize import Grid, scale_grid
 from .ops.layout import Drop, MergeEqual, Rename, Replicate, Stack, Transpose, Unstack
-from .plan import Step
+from .steps import Step
 from .table import ParamTable
 from .tensors import TensorSpec
 

@@ -15,7 +15,7 @@ from .io.checkpoint import Companion
 from .io.atomic import atomic_output
 from .io.output import open_writer, output_kind, plan_shards
 from .io.provenance import METADATA_KEY, Provenance
-from .plan import Plan
+from .steps import Plan
 from .progress import Progress
 from .table import ParamTable
 from .tensors import ByteRange, TensorSpec

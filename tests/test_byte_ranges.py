@@ -11,11 +11,11 @@ import pytest
 
 from fusectl.errors import CheckpointError
 from fusectl.tensors import ByteRange
-from fusectl.verify.byte_ranges import ByteCorrespondence, RangeComparer, Segment, aligned
-from fusectl.verify.checkpoint_check import compare_tables
+from fusectl.verification.byte_ranges import ByteCorrespondence, RangeComparer, Segment, aligned
+from fusectl.verification.checkpoint_check import compare_tables
 
 # fusectl.verify is also the API function: reach the module through the import system
-byte_ranges = importlib.import_module("fusectl.verify.byte_ranges")
+byte_ranges = importlib.import_module("fusectl.verification.byte_ranges")
 
 
 def test_aligned_cuts_both_lists_at_each_others_boundaries():

@@ -687,7 +687,7 @@ def test_the_public_api_does_what_the_cli_does(tmp_path):
     """import fusectl: fuse, unfuse, verify, plan and export as functions, names stable even
     after the verify subpackage is loaded."""
     import fusectl
-    import fusectl.verify.runner  # noqa: F401 - loading a submodule must not replace fusectl.verify
+    import fusectl.verification.runner  # noqa: F401 - loading a submodule must not replace fusectl.verify
 
     assert callable(fusectl.verify) and callable(fusectl.plan)
     assert set(fusectl.__all__) >= {"open_checkpoint", "plan", "fuse", "unfuse", "export", "verify"}

@@ -302,7 +302,7 @@ def _table_from_file(path):
 @pytest.mark.parametrize("max_size", [64, 300, 1000, 10**9])
 def test_folder_output_shards_under_max_size(tmp_path, max_size):
     from fusectl.write import write_table
-    from fusectl.plan import Plan
+    from fusectl.steps import Plan
 
     arrays = {f"layer.{k}.w": sample("F32", (k + 1, 16), k) for k in range(8)}  # 64..512 bytes
     src = write_with_fusectl(tmp_path / "src.safetensors", arrays)

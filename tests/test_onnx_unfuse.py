@@ -22,14 +22,11 @@ from safetensors.numpy import save_file
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.onnx.export import IRBuilder
 from fusectl.ops import OPS
-from fusectl.plan import Step
+from fusectl.steps import Step
 from fusectl.rules.schema import load_rules
-from fusectl.verify.probes import OPSET, GraphBuilder
+from fusectl.verification.probes import OPSET, GraphBuilder
 
-try:  # make_plan is moving from plan.py to planner.py
-    from fusectl.planner import make_plan
-except ImportError:
-    from fusectl.plan import make_plan
+from fusectl.planner import make_plan
 
 DTYPES = [np.float32, np.float16, np.int64]
 UNFUSABLE = {kind for kind, op in OPS.items() if op.onnx_unfusable}

@@ -28,10 +28,10 @@ from fusectl.ops.layout import (
     Transpose, Unstack,
 )
 from fusectl.ops.reparam import BnFold, SpectralNormFold, WeightNormFold, WeightNormUnfold
-from fusectl.plan import Step
+from fusectl.steps import Step
 from fusectl.tensors import ByteRange, TensorSpec
-from fusectl.verify.probes import GraphBuilder, _run_probe, build_probe
-from fusectl.verify.runner import CPU
+from fusectl.verification.probes import GraphBuilder, _run_probe, build_probe
+from fusectl.verification.runner import CPU
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from conftest import FIXTURES, array_of, load_checkpoint_raw, metadata_of, ok, r
 from fusectl.dtypes import BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops.dequantize import Dequantize, expand_scale, scale_grid
-from fusectl.plan import Step
+from fusectl.steps import Step
 from fusectl.quantization import QuantScheme, scale_name, scheme_from, with_scales
 from fusectl.table import ParamTable
 from fusectl.tensors import TensorSpec

@@ -1,4 +1,4 @@
-"""bfloat16 models on onnxruntime's CPU provider (fusectl.verify.upcast): a bf16 type anywhere in
+"""bfloat16 models on onnxruntime's CPU provider (fusectl.verification.upcast): a bf16 type anywhere in
 the model is found from the protobuf alone, and the upcast model is all float32 — initializers,
 Constants, Cast targets, declared types — computing what the bf16 model computes."""
 
@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fusectl.errors import CheckpointError
-from fusectl.verify.model_check import verify_models
-from fusectl.verify.upcast import has_bfloat16, upcast_bfloat16
+from fusectl.verification.model_check import verify_models
+from fusectl.verification.upcast import has_bfloat16, upcast_bfloat16
 
 F, B, H = TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16
 ON_CPU = pytest.mark.skipif("CUDAExecutionProvider" in onnxruntime.get_available_providers(),

@@ -16,9 +16,9 @@ from onnx import TensorProto, helper, numpy_helper
 from conftest import metadata_of, write_rules, write_safetensors
 from fusectl.cli import main
 from fusectl.io.safetensors_file import read_header
-from fusectl.verify.compare import compare
-from fusectl.verify.probes import build_probe, _run_probe
-from fusectl.verify.runner import CPU
+from fusectl.verification.compare import compare
+from fusectl.verification.probes import build_probe, _run_probe
+from fusectl.verification.runner import CPU
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -149,7 +149,7 @@ def test_probe_catches_a_wrong_layout_the_names_cannot_show():
     # an interleave whose fused tensor was concatenated instead: same names, same shape
     from fusectl.dtypes import BY_NAME
     from fusectl.ops.layout import Interleave
-    from fusectl.plan import Step
+    from fusectl.steps import Step
     from fusectl.tensors import TensorSpec
 
     rng = np.random.default_rng(1)
@@ -165,7 +165,7 @@ def test_probe_catches_a_wrong_layout_the_names_cannot_show():
 def test_a_step_that_moves_rows_is_probed_on_a_window_of_columns_and_still_catches_a_wrong_layout(tmp_path):
     """A wide concat is probed on its first PROBE_COLUMNS columns (a slice, not the whole tensor
     upcast); rows in the wrong place change every column, so the window still sees them."""
-    from fusectl.verify.probes import PROBE_COLUMNS
+    from fusectl.verification.probes import PROBE_COLUMNS
 
     rng = np.random.default_rng(3)
     src = tmp_path / "m.safetensors"
@@ -337,7 +337,7 @@ def test_dynamic_dims_default_to_2_for_a_leading_axis_and_16_elsewhere(tmp_path)
 
 
 def test_default_rule_per_axis():
-    from fusectl.verify.runner import resolve_shapes
+    from fusectl.verification.runner import resolve_shapes
     shapes, dims = resolve_shapes({"pos": ("sequence",), "ids": ("batch", "sequence"), "lengths": ("batch",),
                                    "u": (None, None, 3)})
     # 'sequence' leads in pos but not in ids: 16; 'batch' leads everywhere: 2; unnamed by position

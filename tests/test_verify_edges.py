@@ -19,9 +19,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import ok, refused
 from fusectl.errors import VerifyError
-from fusectl.verify.compare import compare, default_tolerance
-from fusectl.verify.inputs_file import load_inputs_file
-from fusectl.verify.model_check import verify_models
+from fusectl.verification.compare import compare, default_tolerance
+from fusectl.verification.inputs_file import load_inputs_file
+from fusectl.verification.model_check import verify_models
 
 F = TensorProto.FLOAT
 

@@ -24,9 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import ok, snapshot, write_safetensors, refused
 from fusectl.errors import VerifyError
-from fusectl.verify.compare import compare
-from fusectl.verify.model_check import verify_models
-from fusectl.verify.runner import one_line
+from fusectl.verification.compare import compare
+from fusectl.verification.model_check import verify_models
+from fusectl.verification.runner import one_line
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 F = TensorProto.FLOAT

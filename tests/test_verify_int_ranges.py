@@ -13,8 +13,8 @@ from onnx import numpy_helper
 from conftest import FIXTURES, ok
 from fusectl import api
 from fusectl.onnx.graph import load_model
-from fusectl.verify.input_ranges import integer_input_ranges
-from fusectl.verify.runner import CPU, make_inputs, session
+from fusectl.verification.input_ranges import integer_input_ranges
+from fusectl.verification.runner import CPU, make_inputs, session
 
 LLAMA = FIXTURES / "onnx" / "llama"
 BERT = FIXTURES / "onnx" / "bert"

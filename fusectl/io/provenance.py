@@ -11,13 +11,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from .. import __version__, dtypes
+from .. import dtypes
+from ..version import __version__
 from ..config_edit import ConfigEdit
 from ..errors import CheckpointError, FusectlError, PlanError, quote
 from ..limits import check_limit, limit
 from .untrusted import MalformedJSON, load_json
 from ..ops import OPS, Op
-from ..plan import Plan, RuleOrigin, Step, StepGroup, op_from_record
+from ..steps import Plan, RuleOrigin, Step, StepGroup, op_from_record
 from ..tensors import TensorSpec
 
 METADATA_KEY = "fusectl"

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ..errors import PlanError
 from ..io.checkpoint import Checkpoint
-from ..plan import Plan
+from ..steps import Plan
 from .graph_tensors import GraphTensor
 
 # the graph's paired initializers are renamed with this prefix, freeing their names for the

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import PlanError
 from ..ops.reparam import BnFold
 from ..table import ParamTable
-from ..verify.compare import default_tolerance
+from ..tolerance import default_tolerance
 from .namemap import NameMap, Pair
 
 # BatchNorm epsilons tried when matching a fold: PyTorch's default, then Keras/TensorFlow's

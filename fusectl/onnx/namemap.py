@@ -71,7 +71,7 @@ def _pair_close(table, initializers, initializer_specs, matched_graph, matched_u
     transposed: an exporter that constant-folds a BatchNorm or weight_norm computes the fold
     fusectl recorded, up to rounding (TorchScript's ``onnx::Conv_299`` against a
     ``conv-bn-fold`` checkpoint, dynamo's transposed ``val_12`` against a folded Linear)."""
-    from ..verify.compare import default_tolerance
+    from ..tolerance import default_tolerance
 
     left: dict[tuple, list[tuple[LazyTensor, bool]]] = {}
     for _, tensor in table.unique():

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 
 from ..errors import quote
-from ..plan import Plan, Step, StepGroup
+from ..steps import Plan, Step, StepGroup
 from ..table import ParamTable
 from ..executor import recover_inputs
 from .export_context import SET_ASIDE, ExportContext, ExportError, Pairing

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..errors import PlanError, quote
-from ..plan import Plan, RuleOrigin, Step
+from ..steps import Plan, RuleOrigin, Step
 from .schema import Rule, RuleSet
 
 _USE_PROVENANCE = ("unfuse a checkpoint fusectl fused without -r (`fusectl unfuse CKPT -o OUT` inverts "

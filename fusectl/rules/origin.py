@@ -2,14 +2,14 @@
 
 ``verify`` re-derives each recorded step from the rule that made it, so ``fuse`` records the
 rules file's text (a preset's shipped text) and the config values its ``[vars]`` read; the
-planner adds which ``[[rule]]`` each group came from (:class:`~fusectl.plan.RuleOrigin`).
+planner adds which ``[[rule]]`` each group came from (:class:`~fusectl.steps.RuleOrigin`).
 """
 
 from __future__ import annotations
 
 from typing import Iterator, Mapping
 
-from ..plan import RuleOrigin
+from ..steps import RuleOrigin
 from .presets import rules_text_arg
 from .schema import RuleSet, load_rules
 

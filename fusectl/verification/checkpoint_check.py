@@ -21,7 +21,7 @@ from ..errors import FusectlError, PlanError, RuleError, VerifyError, printable,
 from ..executor import Evaluation, apply_group, is_exact, run_plan
 from ..adapters import LoraConfig, make_adapter_plan
 from ..io.checkpoint import Checkpoint, adapter_config
-from ..plan import Plan, RuleOrigin, Step, StepGroup
+from ..steps import Plan, RuleOrigin, Step, StepGroup
 from ..planner import bind_rule, make_plan
 from ..rules.origin import load_origin
 from ..rules.presets import preset_names, preset_text

@@ -24,10 +24,11 @@ from onnx import TensorProto, helper, numpy_helper
 from ..executor import Evaluation, walk
 from ..ops.dequantize import expand_scale, scale_grid
 from ..quantization import QuantScheme, scale_step_of
-from ..plan import Plan, Step
+from ..steps import Plan, Step
 from ..table import ParamTable
 from ..tensors import TensorSpec
-from .compare import compare, default_tolerance
+from ..tolerance import default_tolerance
+from .compare import compare
 from .report import Check
 from .runner import resolve_provider, run, session
 

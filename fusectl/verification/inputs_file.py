@@ -3,7 +3,7 @@
 An .npz is a zip of .npy members. A 1 MB archive can declare gigabytes, so the zip's own
 sizes and each npy header (shape × itemsize) are held to the ``verify-input-bytes`` budget
 first; then names, ranks, fixed axes and dtypes are checked against the model (by
-:func:`fusectl.verify.runner.make_inputs`) from the headers alone; only an array that is fed
+:func:`fusectl.verification.runner.make_inputs`) from the headers alone; only an array that is fed
 is decompressed, into a buffer of the size its header declared. Python objects are never
 unpickled.
 """

@@ -115,7 +115,7 @@ class VerifyReport:
         for key in ("mode", "reference", "candidate", "provider", "precision", "seed"):
             ET.SubElement(props, "property", name=key, value=str(getattr(self, key)))
         for c in self.checks:
-            case = ET.SubElement(suite, "testcase", classname=f"fusectl.verify.{c.kind}", name=printable(c.name))
+            case = ET.SubElement(suite, "testcase", classname=f"fusectl.verification.{c.kind}", name=printable(c.name))
             if not c.passed:
                 message = c.detail
                 if c.comparison:

@@ -17,7 +17,7 @@ from ..adapters import LoraConfig, LoraModule, lora_modules
 from ..dtypes import BY_NAME
 from ..executor import Evaluation, walk
 from ..io.checkpoint import Checkpoint, adapter_config
-from ..plan import Plan
+from ..steps import Plan
 from ..table import ParamTable
 from ..tensors import ArrayTensor, TensorSpec
 from .probes import PROBE_COLUMNS, _run_probe, build_probe, column_window

@@ -11,7 +11,8 @@ import numpy as np
 
 from ..errors import CheckpointError, VerifyError, printable, quote
 from ..onnx.graph import external_data_files, load_model
-from .compare import check_tolerance, compare, default_tolerance
+from ..tolerance import default_tolerance
+from .compare import check_tolerance, compare
 from .input_ranges import DEFAULT, IntegerRange, integer_input_ranges
 from .inputs_file import load_inputs_file
 from .report import Check, VerifyReport
@@ -135,7 +136,7 @@ def verify_models(
 
     ``inputs`` are arrays to feed by input name; the other inputs are seeded random, shaped by
     ``shapes`` (input name -> whole shape) and ``dims`` (dim_param name -> size), see
-    :func:`fusectl.verify.runner.resolve_shapes`.
+    :func:`fusectl.verification.runner.resolve_shapes`.
     """
     atol = None if atol is None else check_tolerance("atol", atol)
     rtol = None if rtol is None else check_tolerance("rtol", rtol)

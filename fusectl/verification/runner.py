@@ -273,7 +273,7 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
                 ) -> tuple[dict[str, np.ndarray], list[InputSpec], dict[str, int]]:
     """Inputs for every graph input: from ``given``, else seeded random with the shapes of
     :func:`resolve_shapes`: floats N(0,1), bools False or True, integers uniform in their range
-    of ``ranges`` (see :mod:`fusectl.verify.input_ranges`), else in [0, 1]. Also returns the
+    of ``ranges`` (see :mod:`fusectl.verification.input_ranges`), else in [0, 1]. Also returns the
     named dims."""
     for meta in sess.get_inputs():
         if not meta.type.startswith("tensor("):

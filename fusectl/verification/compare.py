@@ -9,26 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import VerifyError, printable
-
-# (atol, rtol) by dtype; integer and bool outputs must match exactly
-DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "float32": (1e-5, 1e-5),
-    "float64": (1e-5, 1e-5),
-    "float16": (1e-3, 1e-3),
-    "bfloat16": (1e-2, 1e-2),
-}
-FP8_TOLERANCE = (1e-1, 1e-1)
-
-
-def default_tolerance(dtype: np.dtype) -> tuple[float, float]:
-    """(atol, rtol) for a dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2, fp8 1e-1, integers exact."""
-    dtype = np.dtype(dtype)
-    if dtype.name in DEFAULT_TOLERANCES:
-        return DEFAULT_TOLERANCES[dtype.name]
-    if dtype.name.startswith("float8"):
-        return FP8_TOLERANCE
-    return (0.0, 0.0)
-
+from ..tolerance import default_tolerance
 
 @dataclass(frozen=True)
 class Comparison:

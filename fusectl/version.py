@@ -1,0 +1,3 @@
+"""The version of fusectl, in a module of its own so that any layer may record it."""
+
+__version__ = "0.1.0"
