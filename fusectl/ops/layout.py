@@ -57,6 +57,25 @@ def _explicit_list_problem(op: Op, over: str | None) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Rename(Op):
+    """A new name for a tensor, same data.
+
+    Rule keys: ``op = "rename"``, ``input``, ``output``. The output IS the input (same bytes, any
+    dtype, packed ones included), so a tie group renamed member by member stays tied. Refuses
+    nothing. Inverse: ``rename`` back (output to input).
+
+    >>> Rename().apply([np.arange(3)])[0].tolist()
+    [0, 1, 2]
+    >>> Rename().inverse(None)
+    Rename()
+
+    Rule::
+
+        [[rule]]
+        op     = "rename"
+        input  = "{p*}.mlp.gate.weight"
+        output = "{p*}.block_sparse_moe.gate.weight"
+    """
+
     kind: ClassVar[str] = "rename"
     renames: ClassVar[bool] = True
     keeps_ties: ClassVar[bool] = True
@@ -80,6 +99,25 @@ class Rename(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Drop(Op):
+    """Removes a tensor from the output (e.g. a BatchNorm's ``num_batches_tracked``).
+
+    Rule keys: ``op = "drop"``, ``input``; no output key. Takes any dtype, packed ones included,
+    and never breaks a tie. Inverse: none (one-way:
+    ``unfuse`` fails naming the rule).
+
+    >>> Drop().apply([np.ones(2)])
+    []
+    >>> Drop().inverse(None) is None
+    True
+
+    Rule::
+
+        [[rule]]
+        op       = "drop"
+        input    = "{p*}.bn{n:int}.num_batches_tracked"
+        optional = true
+    """
+
     kind: ClassVar[str] = "drop"
     keeps_ties: ClassVar[bool] = True
     moves_packed: ClassVar[bool] = True
@@ -100,6 +138,30 @@ class Drop(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Concat(RowMover, Op):
+    """Joins tensors along ``axis``, in the order the rule lists them.
+
+    Rule keys: ``op = "concat"``, ``inputs`` (a list of patterns) or ``input`` with
+    ``over = "k"`` (every binding of ``{k}`` gathered, in numeric order when they are numbers), ``output``,
+    ``axis`` (default 0), ``sizes`` (optional: each input's length along ``axis``, ints or var
+    names, checked at plan time). The output holds input 0, then input 1, … along ``axis``.
+    Refuses inputs of different dtypes, inputs that differ on any other axis, an axis out of range,
+    and ``sizes`` that do not match the inputs. Inverse: ``split`` with each input's recorded
+    length; undoing the rule alone (``unfuse -r``) needs ``sizes`` and is refused for ``over``.
+
+    >>> Concat(axis=0).apply([np.ones((1, 2)), np.zeros((1, 2))])[0].tolist()
+    [[1.0, 1.0], [0.0, 0.0]]
+    >>> Concat(axis=0, sizes=(1, 2)).inverse(None)
+    Split(axis=0, sizes=(1, 2), parts=2)
+
+    Rule::
+
+        [[rule]]
+        op     = "concat"
+        inputs = ["{p*}.q_proj.weight", "{p*}.k_proj.weight", "{p*}.v_proj.weight"]
+        output = "{p*}.qkv_proj.weight"
+        axis   = 0
+    """
+
     kind: ClassVar[str] = "concat"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -165,6 +227,29 @@ class Concat(RowMover, Op):
 
 @dataclasses.dataclass(frozen=True)
 class Split(RowMover, Op):
+    """Cuts a tensor along ``axis`` into consecutive parts, one per output.
+
+    Rule keys: ``op = "split"``, ``input``, ``outputs`` (a list of patterns), ``axis`` (default 0),
+    ``sizes`` (optional: one length per output, ints or var names; omitted = equal parts). The
+    number of parts is the number of outputs (``parts`` is never written). Output k holds the k-th
+    run of ``sizes[k]`` slabs along ``axis``. Refuses sizes that do not add up to the input's
+    length, negative sizes, a length that does not divide into equal parts, and (at load) a
+    ``sizes`` whose count differs from the outputs'. Inverse: ``concat`` along the same axis.
+
+    >>> [p.tolist() for p in Split(axis=0, sizes=(1, 2), parts=2).apply([np.arange(3)])]
+    [[0], [1, 2]]
+    >>> [p.tolist() for p in Split(axis=0, parts=2).apply([np.arange(4)])]
+    [[0, 1], [2, 3]]
+
+    Rule::
+
+        [[rule]]
+        op      = "split"
+        input   = "{p*}.mlp.gate_up_proj.weight"
+        outputs = ["{p*}.mlp.gate_proj.weight", "{p*}.mlp.up_proj.weight"]
+        axis    = 0
+    """
+
     kind: ClassVar[str] = "split"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -223,6 +308,28 @@ class Split(RowMover, Op):
 
 @dataclasses.dataclass(frozen=True)
 class Interleave(RowMover, Op):
+    """Joins tensors group by group: the per-head ``[q, k, v]`` of MXNet, GPT-NeoX and Bloom.
+
+    Rule keys: ``op = "interleave"``, ``inputs`` (a list) or ``input`` with ``over``, ``output``,
+    ``axis`` (default 0), ``groups`` (default 1; e.g. ``groups = "heads"``, or ``"kv_heads"``
+    for per-KV-group ``[q…, k, v]``), ``sizes`` (optional, as ``concat``'s). Each input is cut
+    into ``groups`` equal chunks along ``axis``; the output is chunk 0 of every input, then chunk
+    1 of every input, … Refuses what ``concat`` refuses, and an input whose length along ``axis``
+    does not divide into ``groups``. Inverse: ``deinterleave`` with the same groups and the inputs'
+    recorded lengths (from the rule alone it needs ``sizes``).
+
+    >>> Interleave(axis=0, groups=2).apply([np.array([0, 1]), np.array([10, 11])])[0].tolist()
+    [0, 10, 1, 11]
+
+    Rule::
+
+        [[rule]]
+        op     = "interleave"
+        inputs = ["{p*}.query.weight", "{p*}.key.weight", "{p*}.value.weight"]
+        output = "{p*}.qkv.weight"
+        groups = 4
+    """
+
     kind: ClassVar[str] = "interleave"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -266,6 +373,27 @@ class Interleave(RowMover, Op):
 
 @dataclasses.dataclass(frozen=True)
 class Deinterleave(RowMover, Op):
+    """Splits a per-group interleaved tensor back into its parts: exact inverse of ``interleave``.
+
+    Rule keys: ``op = "deinterleave"``, ``input``, ``outputs`` (a list), ``axis`` (default 0),
+    ``groups`` (default 1), ``sizes`` (optional: each output's total length, ints or var names;
+    omitted = equal parts, one per output). The input is cut into ``groups`` equal chunks along
+    ``axis``, each chunk into the parts (``sizes[k] / groups`` slabs each); output k gathers part k
+    of every chunk. Refuses what ``split`` refuses, and a part whose length does not divide into
+    ``groups``. Inverse: ``interleave`` with the same ``groups``.
+
+    >>> [p.tolist() for p in Deinterleave(axis=0, groups=2, parts=2).apply([np.array([0, 10, 1, 11])])]
+    [[0, 1], [10, 11]]
+
+    Rule::
+
+        [[rule]]
+        op      = "deinterleave"
+        input   = "{p*}.attention.query_key_value.weight"
+        outputs = ["{p*}.attention.query.weight", "{p*}.attention.key.weight", "{p*}.attention.value.weight"]
+        groups  = "heads"
+    """
+
     kind: ClassVar[str] = "deinterleave"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -315,6 +443,27 @@ class Deinterleave(RowMover, Op):
 
 @dataclasses.dataclass(frozen=True)
 class Stack(Op):
+    """Stacks tensors of one shape along a new axis (per-expert weights into one tensor).
+
+    Rule keys: ``op = "stack"``, ``inputs`` (a list) or ``input`` with ``over = "e"`` (the
+    bindings of ``{e}`` must be exactly 0..n-1: they become positions along the new axis),
+    ``output``, ``axis`` (default 0: where the new axis goes in the output). Output index k along
+    ``axis`` holds input k. Refuses inputs of different dtypes or shapes, an axis out of range,
+    and ``over`` indices with gaps. Inverse: ``unstack`` along the same axis (from the rule alone
+    only with ``over``, which names the outputs).
+
+    >>> Stack(axis=0).apply([np.array([1, 2]), np.array([3, 4])])[0].tolist()
+    [[1, 2], [3, 4]]
+
+    Rule::
+
+        [[rule]]
+        op     = "stack"
+        input  = "{p*}.experts.{e:int}.w1.weight"
+        over   = "e"
+        output = "{p*}.experts.w1"
+    """
+
     kind: ClassVar[str] = "stack"
     indexed_over: ClassVar[bool] = True
     onnx_unfusable: ClassVar[bool] = True
@@ -362,6 +511,26 @@ class Stack(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Unstack(Op):
+    """Cuts a tensor along ``axis`` into its slices, dropping that axis: inverse of ``stack``.
+
+    Rule keys: ``op = "unstack"``, ``input``, ``output`` (a pattern holding ``{e}``), ``over = "e"``
+    (required: the output's index placeholder, which the input must not have), ``axis`` (default
+    0). Output ``{e} = k`` holds slice k along ``axis``, for k = 0..length-1. Refuses an axis out of
+    range, and (at load) a rule without ``over`` or whose output lacks ``{e}``. Inverse: ``stack``
+    along the same axis.
+
+    >>> [p.tolist() for p in Unstack(axis=0).apply([np.array([[1, 2], [3, 4]])])]
+    [[1, 2], [3, 4]]
+
+    Rule::
+
+        [[rule]]
+        op     = "unstack"
+        input  = "{p*}.mlp.experts.down_proj"
+        over   = "e"
+        output = "{p*}.block_sparse_moe.experts.{e}.w2.weight"
+    """
+
     kind: ClassVar[str] = "unstack"
     gathers_over: ClassVar[bool] = False
     onnx_unfusable: ClassVar[bool] = True
@@ -404,6 +573,27 @@ class Unstack(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Transpose(Op):
+    """Permutes a tensor's axes: output axis k is input axis ``perm[k]`` (as ``numpy.transpose``).
+
+    Rule keys: ``op = "transpose"``, ``input``, ``output``, ``perm`` (default ``[1, 0]``). The
+    output holds the same elements, laid out contiguously in the new axis order. Refuses a
+    ``perm`` that is not a permutation of the input's axes. Inverse: ``transpose`` with the inverse
+    permutation.
+
+    >>> Transpose(perm=(1, 0)).apply([np.array([[1, 2, 3]])])[0].tolist()
+    [[1], [2], [3]]
+    >>> Transpose(perm=(1, 2, 0)).inverse(None)
+    Transpose(perm=(2, 0, 1))
+
+    Rule::
+
+        [[rule]]
+        op     = "transpose"
+        input  = "{p*}.weight"
+        output = "{p*}.weight_t"
+        perm   = [1, 0]
+    """
+
     kind: ClassVar[str] = "transpose"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -433,6 +623,26 @@ class Transpose(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Reshape(Op):
+    """Same bytes, new shape (flat parameter vectors, a ``[D, 8H]`` bias from ``[D, 2, 4H]``).
+
+    Rule keys: ``op = "reshape"``, ``input``, ``output``, ``shape`` (a list; one entry may be -1,
+    the length that makes the element count fit). Refuses a shape whose element count differs
+    from the input's, more than one -1, any other negative entry, and a shape with more axes
+    than the limit allows. Inverse: ``reshape`` to the input's recorded shape; it cannot be undone
+    from the rule alone (``unfuse -r``), which does not hold that shape.
+
+    >>> Reshape(shape=(2, -1)).apply([np.arange(4)])[0].tolist()
+    [[0, 1], [2, 3]]
+
+    Rule::
+
+        [[rule]]
+        op     = "reshape"
+        input  = "{p*}.bias"
+        output = "{p*}.bias_2d"
+        shape  = [1, -1]
+    """
+
     kind: ClassVar[str] = "reshape"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -474,6 +684,29 @@ class Reshape(Op):
 
 @dataclasses.dataclass(frozen=True)
 class Reorder(RowMover, Op):
+    """Cuts a tensor into ``chunks`` equal chunks along ``axis`` and emits them in ``order``.
+
+    Rule keys: ``op = "reorder"``, ``input``, ``output``, ``axis`` (default 0), ``chunks``,
+    ``order`` (a permutation of 0..chunks-1): output chunk k is input chunk ``order[k]``
+    (LSTM gates ifgo → iofc: ``order = [0, 3, 1, 2]``; GRU rzn → zrn: ``[1, 0, 2]``). Refuses a
+    length along ``axis`` that does not divide into ``chunks``, and an ``order`` that is not a
+    permutation of 0..chunks-1. Inverse: ``reorder`` with the inverse order.
+
+    >>> Reorder(axis=0, chunks=3, order=(2, 0, 1)).apply([np.arange(3)])[0].tolist()
+    [2, 0, 1]
+    >>> Reorder(axis=0, chunks=4, order=(0, 3, 1, 2)).inverse(None).order
+    (0, 2, 3, 1)
+
+    Rule::
+
+        [[rule]]
+        op     = "reorder"
+        input  = "{p*}.weight_ih_l{k:int}"
+        output = "{p*}.W_l{k:int}"
+        chunks = 4
+        order  = [0, 3, 1, 2]
+    """
+
     kind: ClassVar[str] = "reorder"
     onnx_unfusable: ClassVar[bool] = True
     probed: ClassVar[bool] = True
@@ -522,7 +755,26 @@ class RopePermute(Op):
     """Meta ↔ Hugging Face rotary layout of q/k projection rows.
 
     Meta interleaves the two halves of each head's rotary pairs; HF keeps them in two blocks:
-    to "hf" is ``w.reshape(heads, rows/heads/2, 2, cols).transpose(0, 2, 1, 3)``.
+    to "hf" is ``w.reshape(heads, rows/heads/2, 2, cols).transpose(0, 2, 1, 3)``, back to the
+    input's shape; to "meta" is its inverse.
+
+    Rule keys: ``op = "rope_permute"``, ``input``, ``output``, ``heads`` (``heads`` for q,
+    ``kv_heads`` for k), ``to = "hf"`` (default) or ``"meta"``. Takes a matrix or a bias (1-D).
+    Refuses another ``to``, a tensor of another rank, and rows that are not a multiple of
+    2 × heads. Inverse: ``rope_permute`` with the other ``to``.
+
+    >>> RopePermute(heads=1, to="hf").apply([np.arange(4)])[0].tolist()
+    [0, 2, 1, 3]
+    >>> RopePermute(heads=1, to="hf").inverse(None)
+    RopePermute(heads=1, to='meta')
+
+    Rule::
+
+        [[rule]]
+        op     = "rope_permute"
+        input  = "{p*}.self_attn.k_proj.weight"
+        output = "{p*}.self_attn.k_proj.weight"
+        heads  = "kv_heads"
     """
 
     kind: ClassVar[str] = "rope_permute"
@@ -573,9 +825,27 @@ class RopePermute(Op):
 
 @dataclasses.dataclass(frozen=True)
 class MergeEqual(Op):
-    """One tensor from several that hold the same bytes: the per-tensor scales of fused parts,
-    which may become the fused weight's scale only when they are equal (else nothing exact
-    exists; fusectl never requantizes). The equality is checked when the step runs."""
+    """One tensor from several that hold the same bytes.
+
+    The per-tensor scales of fused parts may become the fused weight's scale only when they are
+    equal (else nothing exact exists; fusectl never requantizes).
+
+    Rule keys: ``op = "merge_equal"``, ``inputs`` (a list) or ``input`` with ``over``, ``output``.
+    The output is input 1. Refuses, at plan time, inputs of different dtypes or shapes; when the
+    step runs, inputs whose bytes differ (a ComputeError showing the first values). Inverse:
+    ``replicate`` into as many copies, from the recorded step only (the rule alone does not say
+    how many).
+
+    >>> MergeEqual().apply([np.array([0.5]), np.array([0.5])])[0].tolist()
+    [0.5]
+
+    Rule::
+
+        [[rule]]
+        op     = "merge_equal"
+        inputs = ["{p*}.q_proj.input_scale", "{p*}.k_proj.input_scale"]
+        output = "{p*}.qk_proj.input_scale"
+    """
 
     kind: ClassVar[str] = "merge_equal"
     onnx_unfusable: ClassVar[bool] = True
@@ -614,7 +884,24 @@ class MergeEqual(Op):
 @dataclasses.dataclass(frozen=True)
 class Replicate(Op):
     """Copies of one tensor under several names: a per-tensor scale given to every part of a
-    split weight. Inverse of ``merge_equal``."""
+    split weight.
+
+    Rule keys: ``op = "replicate"``, ``input``, ``outputs`` (a list; the number of copies is the
+    number of outputs). Every output holds the input's bytes. Refuses nothing but a copy count
+    past the limit. Inverse: ``merge_equal``, which checks the copies are still equal.
+
+    >>> [c.tolist() for c in Replicate(parts=2).apply([np.array([0.5])])]
+    [[0.5], [0.5]]
+    >>> Replicate(parts=2).inverse(None)
+    MergeEqual()
+
+    Rule::
+
+        [[rule]]
+        op      = "replicate"
+        input   = "{p*}.gate_up_proj.weight_scale"
+        outputs = ["{p*}.gate_proj.weight_scale", "{p*}.up_proj.weight_scale"]
+    """
 
     kind: ClassVar[str] = "replicate"
     onnx_unfusable: ClassVar[bool] = True
@@ -644,8 +931,27 @@ class Replicate(Op):
 
 @dataclasses.dataclass(frozen=True)
 class BlockDiagonal(Op):
-    """Matrices placed along a diagonal, zeros elsewhere: the LoRA B of a fused module whose
-    parts had their own A (``[B1 0; 0 B2]`` with A the parts' As stacked)."""
+    """Matrices placed along a diagonal, zeros elsewhere.
+
+    The LoRA B of a fused module whose parts had their own A: ``[B1 0; 0 B2]``, with A the
+    parts' As stacked.
+
+    Rule keys: ``op = "block_diagonal"``, ``inputs`` (a list) or ``input`` with ``over``,
+    ``output``. The output is ``[sum of rows, sum of columns]``: input k at rows and columns after
+    those of inputs 0..k-1, zeros off the blocks. Refuses inputs that are not matrices and inputs of
+    different dtypes. Inverse: ``block_diagonal_split`` with the inputs' recorded shapes; none from
+    the rule alone, which does not hold them.
+
+    >>> BlockDiagonal().apply([np.array([[1]]), np.array([[2, 3]])])[0].tolist()
+    [[1, 0, 0], [0, 2, 3]]
+
+    Rule::
+
+        [[rule]]
+        op     = "block_diagonal"
+        inputs = ["{p*}.q_proj.lora_B.weight", "{p*}.v_proj.lora_B.weight"]
+        output = "{p*}.qv_proj.lora_B.weight"
+    """
 
     kind: ClassVar[str] = "block_diagonal"
     onnx_unfusable: ClassVar[bool] = True
@@ -687,7 +993,27 @@ class BlockDiagonal(Op):
 @dataclasses.dataclass(frozen=True)
 class BlockDiagonalSplit(Op):
     """The blocks along a matrix's diagonal (``rows[k]`` × ``cols[k]`` each); inverse of
-    ``block_diagonal``. What lies off the diagonal is not kept."""
+    ``block_diagonal``.
+
+    Rule keys: ``op = "block_diagonal_split"``, ``input``, ``outputs`` (a list), ``rows`` and
+    ``cols`` (one length per output). Output k holds the block at rows and columns after those of
+    blocks 0..k-1; what lies off the diagonal is not kept. Refuses ``rows`` / ``cols`` whose counts
+    differ from the outputs', negative lengths, and an input whose shape is not
+    ``[sum(rows), sum(cols)]``. Inverse: ``block_diagonal`` (zeros off the blocks).
+
+    >>> a = np.array([[1, 0, 0], [0, 2, 3]])
+    >>> [b.tolist() for b in BlockDiagonalSplit(rows=(1, 1), cols=(1, 2), parts=2).apply([a])]
+    [[[1]], [[2, 3]]]
+
+    Rule::
+
+        [[rule]]
+        op      = "block_diagonal_split"
+        input   = "{p*}.qv_proj.lora_B.weight"
+        outputs = ["{p*}.q_proj.lora_B.weight", "{p*}.v_proj.lora_B.weight"]
+        rows    = [64, 64]
+        cols    = [8, 8]
+    """
 
     kind: ClassVar[str] = "block_diagonal_split"
     onnx_unfusable: ClassVar[bool] = True
