@@ -86,8 +86,28 @@ def expand_scale(scale: np.ndarray, weight_shape: Sequence[int], grid: Grid) -> 
 class Dequantize(Op):
     """w · s in float32 (the scale block-broadcast), rounded to nearest even in ``dtype``.
 
-    ``block`` is the rows × columns a block scale covers; left empty in a rules file it is the
-    checkpoint's (``quantization_config.weight_block_size`` or ``[quantization] block_size``)."""
+    Rule keys: ``op = "dequantize"``, ``weight``, ``scale`` (a per-tensor, per-channel or block
+    scale: ``weight_scale_inv``, ``weight_scale``), ``output``, ``dtype`` (default
+    ``"bfloat16"``; ``"float16"`` or ``"float32"``), ``block`` (rows × columns a block scale
+    covers; left empty it is the checkpoint's, ``quantization_config.weight_block_size`` or
+    ``[quantization] block_size``). Only ``scale`` finds a rule's bindings. The output has the
+    weight's shape in ``dtype``; the weight's other scales (``input_scale``) are dropped with it.
+    Refuses another ``dtype``, a weight that is neither floating point nor int8, a scale that is
+    not floating point, a ``block`` that is not two positive integers, and a scale whose shape
+    fits no grid of the weight. Inverse: none (one-way: fusectl never requantizes).
+
+    >>> w, s = np.array([[1.0, 2.0]], dtype=np.float32), np.array([[3.0]], dtype=np.float32)
+    >>> Dequantize(dtype="float32").apply([w, s])[0].tolist()
+    [[3.0, 6.0]]
+
+    Rule::
+
+        [[rule]]
+        op     = "dequantize"
+        weight = "{m*}.weight"
+        scale  = "{m*}.weight_scale_inv"
+        output = "{m*}.weight"
+    """
 
     kind: ClassVar[str] = "dequantize"
     exact: ClassVar[bool] = False

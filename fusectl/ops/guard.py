@@ -13,7 +13,26 @@ from .base import Op
 class Refuse(Op):
     """Refuse every tensor the input pattern matches, with ``message`` saying why and what to do.
 
-    Example: LSTMs with ``proj_size`` carry ``weight_hr_l{k}``, which ONNX's LSTM cannot take.
+    Rule keys: ``op = "refuse"``, ``input``, ``message``; no output. A guard: a match stops the
+    plan with a PlanError naming the tensor and giving the message. Write it with
+    ``optional = true`` (like any rule, one that matches nothing is otherwise an error); a rules
+    file whose guards alone match nothing is not, and inverting a rules file leaves its guards
+    out. Example: LSTMs with ``proj_size`` carry ``weight_hr_l{k}``, which ONNX's LSTM cannot take.
+
+    >>> from fusectl.dtypes import BY_NAME
+    >>> from fusectl.tensors import TensorSpec
+    >>> Refuse(message="use lstm-to-mxnet-fused").infer([TensorSpec(BY_NAME["F32"], (4, 2))], ["lstm.weight_hr_l0"])
+    Traceback (most recent call last):
+    ...
+    fusectl.errors.PlanError: 'lstm.weight_hr_l0': use lstm-to-mxnet-fused
+
+    Rule::
+
+        [[rule]]
+        op       = "refuse"
+        input    = "{p*}.weight_hr_l{k}"
+        message  = "this LSTM has proj_size, which ONNX's LSTM cannot express"
+        optional = true
     """
 
     kind: ClassVar[str] = "refuse"

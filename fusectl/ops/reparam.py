@@ -75,7 +75,28 @@ def _parse_dim(dim: int | str, where: str) -> int | str | None:
 
 @dataclasses.dataclass(frozen=True)
 class WeightNormFold(Op):
-    """w = g · v / ‖v‖, the norm over every axis but ``dim`` (PyTorch ``_weight_norm``)."""
+    """w = g · v / ‖v‖, the norm over every axis but ``dim`` (PyTorch ``_weight_norm``).
+
+    Rule keys: ``op = "weight_norm_fold"``, ``g``, ``v``, ``output``, ``dim`` (default ``"auto"``:
+    the one axis where g is not 1, the whole tensor for a 0-d or all-ones g; an integer; or
+    ``"none"``, PyTorch's ``dim=None``, the whole tensor). The output has v's shape and dtype,
+    computed in float32 (float64 for float64). Refuses tensors that are not floating point, a g
+    whose shape does not fit v and ``dim``, and, when the step runs, a slice of v with zero norm (a
+    ComputeError, never a NaN written). Inverse: ``weight_norm_unfold`` with the dim resolved from
+    g's shape; from the rule alone only with an explicit ``dim``.
+
+    >>> g, v = np.array([[10.0], [2.0]]), np.array([[3.0, 4.0], [0.0, 2.0]])
+    >>> WeightNormFold().apply([g, v])[0].tolist()
+    [[6.0, 8.0], [0.0, 2.0]]
+
+    Rule::
+
+        [[rule]]
+        op     = "weight_norm_fold"
+        g      = "{m*}.weight_g"
+        v      = "{m*}.weight_v"
+        output = "{m*}.weight"
+    """
 
     kind: ClassVar[str] = "weight_norm_fold"
     probed: ClassVar[bool] = True
@@ -134,7 +155,26 @@ class WeightNormFold(Op):
 
 @dataclasses.dataclass(frozen=True)
 class WeightNormUnfold(Op):
-    """g = ‖w‖ over every axis but ``dim``, v = w (what ``weight_norm`` does when applied)."""
+    """g = ‖w‖ over every axis but ``dim``, v = w (what ``weight_norm`` does when applied).
+
+    Rule keys: ``op = "weight_norm_unfold"``, ``input``, ``g``, ``v`` (the two outputs), ``dim``
+    (default 0; an integer or ``"none"`` for the whole tensor, never ``"auto"``). g keeps every
+    axis but ``dim`` as size 1 (0-d for ``"none"``), in the weight's dtype; v is the weight.
+    Refuses tensors that are not floating point, ``dim = "auto"`` and a dim out of range.
+    Inverse: ``weight_norm_fold`` with the same ``dim``.
+
+    >>> g, v = WeightNormUnfold(dim=0).apply([np.array([[3.0, 4.0], [0.0, 2.0]])])
+    >>> g.tolist(), v.tolist()
+    ([[5.0], [2.0]], [[3.0, 4.0], [0.0, 2.0]])
+
+    Rule::
+
+        [[rule]]
+        op    = "weight_norm_unfold"
+        input = "{m*}.weight"
+        g     = "{m*}.weight_g"
+        v     = "{m*}.weight_v"
+    """
 
     kind: ClassVar[str] = "weight_norm_unfold"
     probed: ClassVar[bool] = True
@@ -193,7 +233,31 @@ DECIDE_OTHER = 0.8
 
 @dataclasses.dataclass(frozen=True)
 class SpectralNormFold(Op):
-    """w = W / σ with σ = u · (M v): eval-mode spectral_norm, no power iteration."""
+    """w = W / σ with σ = u · (M v): eval-mode spectral_norm, no power iteration.
+
+    M is W with axis ``dim`` moved first, reshaped to ``(W.shape[dim], -1)``; u and v are used as
+    stored (no renormalisation). Rule keys: ``op = "spectral_norm_fold"``, ``weight`` (W, e.g.
+    ``weight_orig``), ``u``, ``v``, ``output``, ``dim`` (default ``"auto"``: among axes 0 and 1 the
+    one whose length is len(u); when both fit, the one under which (u, v) is a power-iteration
+    pair; 1 for ConvTranspose, 0 otherwise). The output has W's shape and dtype, computed in
+    float32 (float64 for float64). Refuses tensors that are not floating point, u or v that are not
+    vectors or fit no axis, and, when the step runs, σ that is not positive and finite or an
+    ``"auto"`` that neither axis decides (ComputeErrors asking for ``dim``). Inverse: none
+    (one-way).
+
+    >>> w = np.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    >>> SpectralNormFold().apply([w, np.array([1.0, 0.0]), np.array([1.0, 0.0, 0.0])])[0].tolist()
+    [[1.0, 0.0, 0.0], [0.0, 0.5, 0.0]]
+
+    Rule::
+
+        [[rule]]
+        op     = "spectral_norm_fold"
+        weight = "{m*}.weight_orig"
+        u      = "{m*}.weight_u"
+        v      = "{m*}.weight_v"
+        output = "{m*}.weight"
+    """
 
     kind: ClassVar[str] = "spectral_norm_fold"
     probed: ClassVar[bool] = True
@@ -275,12 +339,42 @@ class SpectralNormFold(Op):
 class BnFold(Op):
     """Fold BatchNorm into the preceding conv / linear / conv_transpose layer.
 
+    s = gamma / sqrt(var + eps); a conv's or linear's weight is scaled per output channel (axis 0),
+    a ConvTranspose's per output channel of each group (axis 1); b' = (b − mean) · s + beta, a
+    missing bias being zeros. Computed in float32 (float64 for float64), cast back.
+
+    Rule keys: ``op = "bn_fold"``; inputs ``weight``, ``bias`` (optional), ``gamma``, ``beta``,
+    ``mean``, ``var`` (a BatchNorm's ``weight``, ``bias``, ``running_mean``, ``running_var``);
+    outputs ``output_weight``, ``output_bias``; ``eps`` (default 1e-5), ``layer`` (default
+    ``"conv"``; ``"linear"``, ``"conv_transpose"`` or ``"auto"``), ``groups`` (default 1, for
+    conv_transpose). Only ``mean`` and ``var`` find a rule's bindings, so a layer without a
+    BatchNorm after it is left alone. Refuses tensors that are not floating point, an unknown
+    layer, a weight of the wrong rank, statistics whose length is not the layer's output channels,
+    and, when the step runs, var + eps that is not positive. Inverse: none (one-way).
+
     ``layer = "auto"`` reads the layer from the weight's rank: 2 is a linear (out, in), 3 or
     more a conv (out, in/groups, k...). A ConvTranspose weight (in, out/groups, k...) has the
     same rank as a Conv's, and when in and out channels are equal nothing in the shapes tells
     them apart, so a ConvTranspose must still say ``layer = "conv_transpose"``. A rule's step
-    records the layer it resolved to. A BatchNorm is recognised by its running statistics:
-    only ``mean`` and ``var`` find a rule's bindings (``binding_inputs``).
+    records the layer it resolved to.
+
+    >>> op = BnFold(layer="linear", eps=1.0)
+    >>> w, b = op.apply([np.array([[1.0, 2.0]]), np.array([3.0]), np.array([4.0]), np.array([0.5]),
+    ...                  np.array([1.0]), np.array([3.0])])
+    >>> w.tolist(), b.tolist()
+    ([[2.0, 4.0]], [4.5])
+
+    Rule::
+
+        [[rule]]
+        op            = "bn_fold"
+        weight        = "{p*}.conv1.weight"
+        gamma         = "{p*}.bn1.weight"
+        beta          = "{p*}.bn1.bias"
+        mean          = "{p*}.bn1.running_mean"
+        var           = "{p*}.bn1.running_var"
+        output_weight = "{p*}.conv1.weight"
+        output_bias   = "{p*}.conv1.bias"
     """
 
     kind: ClassVar[str] = "bn_fold"
