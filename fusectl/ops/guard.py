@@ -15,9 +15,10 @@ class Refuse(Op):
 
     Rule keys: ``op = "refuse"``, ``input``, ``message``; no output. A guard: a match stops the
     plan with a PlanError naming the tensor and giving the message. Write it with
-    ``optional = true`` (like any rule, one that matches nothing is otherwise an error); a rules
-    file whose guards alone match nothing is not, and inverting a rules file leaves its guards
-    out. Example: LSTMs with ``proj_size`` carry ``weight_hr_l{k}``, which ONNX's LSTM cannot take.
+    ``optional = true``: like any rule's, a match of nothing is otherwise an error (but a rules
+    file in which only guards match nothing is not one that fits no model). Inverse: none
+    needed; inverting a rules file leaves its guards out. Example: LSTMs with ``proj_size``
+    carry ``weight_hr_l{k}``, which ONNX's LSTM cannot take.
 
     >>> from fusectl.dtypes import BY_NAME
     >>> from fusectl.tensors import TensorSpec
