@@ -58,18 +58,31 @@ class ConfigEdit:
         return json.dumps(config, indent=2, ensure_ascii=True) + "\n"
 
     def inverse(self) -> "ConfigEdit":
+        """The edit that writes back the text this one replaced; PlanError when ``before`` is
+        unknown (an edit from a rules file not yet bound to a checkpoint: unfuse with the provenance).
+
+        >>> ConfigEdit(removes=("quantization_config",), before='{"a": 1}').inverse().apply("{}", "config.json")
+        '{"a": 1}'
+        """
         if self.before is None:
             raise PlanError("a [config] edit cannot be undone from the rules file alone (the values it removed "
                             "are not in it); unfuse with the provenance instead of -r")
         return ConfigEdit(restore=self.before, file=self.file)
 
     def describe(self) -> str:
+        """One line for plans and reports: ``config.json: set k = v, remove p``.
+
+        >>> ConfigEdit(removes=("quantization_config",)).describe()
+        'config.json: remove quantization_config'
+        """
         if self.restore is not None:
             return f"{self.file}: restore the original"
         parts = [f"set {k} = {v}" for k, v in self.sets] + [f"remove {p}" for p in self.removes]
         return f"{self.file}: " + ", ".join(parts)
 
     def to_json(self) -> dict:
+        """The edit as provenance stores it: ``set`` (values decoded), ``remove``, and
+        ``before`` / ``restore`` / ``file`` where they are not the defaults; ``from_json`` reads it back."""
         out: dict = {}
         if self.sets:
             out["set"] = {k: json.loads(v) for k, v in self.sets}
@@ -85,6 +98,12 @@ class ConfigEdit:
 
     @classmethod
     def from_json(cls, raw: object, where: str) -> "ConfigEdit":
+        """The edit a provenance recorded (``to_json``'s form); PlanError naming ``where`` when
+        ``raw`` is not one.
+
+        >>> ConfigEdit.from_json({"remove": ["quantization_config"]}, "provenance").removes
+        ('quantization_config',)
+        """
         if not isinstance(raw, dict) or set(raw) - {"set", "remove", "before", "restore", "file"}:
             raise PlanError(f"{where}: a config edit is an object with set, remove, before, restore or file")
         if raw.get("file", "config.json") not in ("config.json", "adapter_config.json"):

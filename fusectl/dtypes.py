@@ -23,14 +23,17 @@ class DType:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of the numpy dtype the data is read as (1 for packed dtypes' raw bytes)."""
         return self.numpy.itemsize
 
     @property
     def packed(self) -> bool:
+        """Whether elements are packed below one byte each (F4/F6): only renamed, dropped or copied."""
         return 0 < self.bits < 8
 
     @property
     def is_float(self) -> bool:
+        """Whether it is a floating-point type (bf16 and fp8 included), as numeric ops require."""
         return self.numpy.kind == "f" or self.safetensors.startswith(("BF", "F8"))
 
     def __str__(self) -> str:

@@ -63,15 +63,20 @@ class StepOutput(LazyTensor):
     index: int
 
     def read(self) -> np.ndarray:
+        """Compute this output (and what it needs) now; the tensor protocol's ``read``."""
         return Evaluation([self]).array(self)
 
     def has_data(self) -> bool:
+        """Whether every input of its task can produce its bytes (False past an ``OpaqueTensor``)."""
         return all(t.has_data() for t in self.task.inputs)
 
     def exact(self) -> bool:
+        """Whether every step behind this output moves bytes only (then it compares bitwise)."""
         return self.task.exact()
 
     def byte_ranges(self) -> tuple[ByteRange, ...] | None:
+        """This output as file ranges of its inputs, when the op says it is a plain byte copy
+        of them (``Op.byte_ranges``); None when it must be computed."""
         ranges = [t.byte_ranges() for t in self.task.inputs]
         if any(r is None for r in ranges):
             return None
@@ -124,6 +129,8 @@ class Evaluation:
                 use(t)
 
     def array(self, tensor: LazyTensor) -> np.ndarray:
+        """The data of ``tensor``: read from its file ranges when it has them, else computed
+        (each task once, its outputs freed after their last use among the roots)."""
         if not isinstance(tensor, StepOutput):
             return tensor.read()
         ranges = tensor.byte_ranges()
@@ -184,9 +191,11 @@ class OpaqueTensor(LazyTensor):
     name: str
 
     def has_data(self) -> bool:
+        """Always False: only the name and spec are known."""
         return False
 
     def read(self) -> np.ndarray:
+        """PlanError naming the tensor: its data was consumed by a one-way or numeric step."""
         raise PlanError(f"{self.name!r} is not recoverable from the fused checkpoint")
 
 

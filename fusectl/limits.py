@@ -20,12 +20,19 @@ from .errors import CheckpointError, FusectlError
 
 @dataclass(frozen=True)
 class Limit:
+    """One budget: ``key`` (as ``check_limit`` names it), its ``default`` and ``what`` it counts.
+
+    >>> LIMITS["tensors"].variable
+    'FUSECTL_MAX_TENSORS'
+    """
+
     key: str
     default: int
     what: str  # what is counted, for messages
 
     @property
     def variable(self) -> str:
+        """The environment variable that raises this budget: ``FUSECTL_MAX_`` + the key in capitals, ``-`` as ``_``."""
         return "FUSECTL_MAX_" + self.key.upper().replace("-", "_")
 
 

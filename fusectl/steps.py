@@ -26,6 +26,7 @@ class Step:
     output_specs: tuple[TensorSpec, ...]
 
     def inverse(self) -> "Step | None":
+        """The step that undoes this one (outputs back to inputs); None when its op is one-way."""
         op = self.op.inverse(self.input_specs)
         if op is None:
             return None
@@ -66,11 +67,14 @@ class StepGroup:
 
     @property
     def kind(self) -> str:
+        """The op kind of the group's steps (``"config"`` for a ``[config]`` group, ``"none"`` when
+        the group has no steps)."""
         if not self.steps:
             return "config" if self.config is not None else "none"
         return self.steps[0].op.kind
 
     def describe(self) -> str:
+        """How messages name the group's rule: ``rule 'attn-qkv' (rules.toml)``."""
         return f"rule {self.rule!r} ({self.source})"
 
 
@@ -82,6 +86,7 @@ class Plan:
 
     @property
     def steps(self) -> list[Step]:
+        """Every step of every group, in order."""
         return [s for g in self.groups for s in g.steps]
 
     def inverse(self) -> "Plan":

@@ -31,6 +31,7 @@ class ParamTable:
 
     @classmethod
     def from_stored(cls, stored: Mapping[str, LazyTensor]) -> "ParamTable":
+        """A table of tensors all stored in the input, untied (each name its own tensor)."""
         return cls(dict(stored), set(stored))
 
     def __contains__(self, name: str) -> bool:
@@ -40,9 +41,11 @@ class ParamTable:
         return self.entries[name]
 
     def names(self) -> list[str]:
+        """Every structural name, sorted."""
         return sorted(self.entries)
 
     def spec(self, name: str) -> TensorSpec:
+        """The dtype and shape of ``name``'s tensor (KeyError when absent)."""
         return self.entries[name].spec
 
     def aliases_of(self, name: str) -> list[str]:
@@ -130,4 +133,5 @@ class ParamTable:
             self.entries[name] = tensor
 
     def copy(self) -> "ParamTable":
+        """A table with the same entries and stored names, to edit without changing this one."""
         return ParamTable(dict(self.entries), set(self.stored))

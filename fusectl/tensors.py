@@ -23,10 +23,12 @@ class TensorSpec:
     # cached: a header's tensors share their specs, and tables ask for sizes again and again
     @cached_property
     def numel(self) -> int:
+        """The number of elements (1 for a 0-d tensor)."""
         return math.prod(self.shape)
 
     @cached_property
     def nbytes(self) -> int:
+        """The bytes the tensor takes on disk (packed dtypes: bits × elements / 8)."""
         return self.numel * self.dtype.bits // 8
 
     def __str__(self) -> str:
@@ -92,9 +94,11 @@ class FileTensor(LazyTensor):
     location: ByteRange
 
     def byte_ranges(self) -> tuple[ByteRange, ...]:
+        """Its one file range."""
         return (self.location,)
 
     def read(self) -> np.ndarray:
+        """Read its range into a fresh array."""
         return read_ranges((self.location,), self.spec)
 
 
@@ -106,4 +110,5 @@ class ArrayTensor(LazyTensor):
     array: np.ndarray
 
     def read(self) -> np.ndarray:
+        """A copy of the array, so that what a caller does to it never reaches the tensor."""
         return self.array.copy()

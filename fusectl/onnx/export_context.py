@@ -45,12 +45,15 @@ class IRBuilder:
         return list(node.outputs)
 
     def one(self, op: str, inputs, *, into: ir.Graph | None = None, **attrs) -> ir.Value:
+        """One node of ``op`` with one output, appended to the graph (or ``into``); its output value."""
         return self.node(op, inputs, 1, into=into, **attrs)[0]
 
     def ints(self, values) -> ir.Value:
+        """An int64 1-D constant of ``values`` (axes, sizes, pads), as an initializer."""
         return self.constant(np.asarray(list(values), np.int64))
 
     def constant(self, array: np.ndarray, name: str | None = None) -> ir.Value:
+        """``array`` as a new initializer of the graph (named ``name``, else a fresh fusectl name)."""
         self.count += 1
         name = name or f"fusectl_const_{self.count}"
         value = ir.Value(name=name, const_value=ir.tensor(array, name=name))

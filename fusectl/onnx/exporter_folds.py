@@ -45,10 +45,13 @@ class BatchNormFold:
     folded_bias: np.ndarray
 
     def checkpoint_names(self) -> set[str]:
+        """The checkpoint tensors this fold explains: the layer's weight (and bias) and the
+        BatchNorm's parameters and running statistics."""
         names = {self.weight, *(f"{self.batchnorm}.{p}" for p in _BATCHNORM_PARTS)}
         return names | ({self.bias} if self.bias else set())
 
     def graph_initializers(self) -> set[str]:
+        """Names of the Conv's weight and bias inputs that are initializers of the graph."""
         return {v.name for v in self.node.inputs[1:3] if v is not None and v.is_initializer()}
 
 

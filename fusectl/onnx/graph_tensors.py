@@ -44,6 +44,7 @@ class GraphTensor:
 
     @property
     def size(self) -> int:
+        """The number of elements (the product of the shape)."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     def describe(self) -> str:
@@ -51,6 +52,7 @@ class GraphTensor:
         return f"{self.kind} {quote(self.key)} {self.dtype}{list(self.shape)} ({self.where})"
 
     def to_json(self) -> dict:
+        """The tensor as reports list it: name (its key), where, kind, dtype and shape."""
         return {"name": self.key, "where": self.where, "kind": self.kind, "dtype": self.dtype,
                 "shape": list(self.shape)}
 

@@ -22,6 +22,9 @@ from ..tensors import LazyTensor
 
 @dataclass(frozen=True)
 class Pair:
+    """One checkpoint name paired with one graph initializer: ``how`` they were paired and
+    whether their ``data`` agree."""
+
     structural: str
     initializer: str
     how: str  # "name", "content" or "transposed" (the initializer is the tensor transposed)
@@ -34,6 +37,9 @@ class Pair:
 
 @dataclass
 class NameMap:
+    """What ``map_names`` found: the pairs, the names of either side paired with nothing, and
+    the prefixes (an exporter's wrapper prefix) stripped from each side to pair them by name."""
+
     pairs: list[Pair] = field(default_factory=list)
     unmatched_checkpoint: list[str] = field(default_factory=list)
     unmatched_graph: list[str] = field(default_factory=list)
@@ -45,6 +51,7 @@ class NameMap:
         return [p for p in self.pairs if p.data == "differs"]
 
     def to_json(self) -> dict:
+        """The mapping as ``fusectl map --json`` prints it."""
         return {
             "pairs": [{"structural": p.structural, "initializer": p.initializer, "how": p.how, "data": p.data}
                       for p in self.pairs],

@@ -29,6 +29,7 @@ class ExportPass(InPlacePass):
         self.ctx = ctx
 
     def requires(self, model: ir.Model) -> None:
+        """PreconditionError unless ``model`` is the model of this pass's ExportContext."""
         if model is not self.ctx.model:
             raise PreconditionError(f"{type(self).__name__} runs on the model its ExportContext holds")
 
@@ -37,12 +38,14 @@ class PairedExportPass(ExportPass):
     """A pass that works on the initializers ``PairInitializersPass`` paired."""
 
     def requires(self, model: ir.Model) -> None:
+        """As ``ExportPass.requires``, and PreconditionError unless PairInitializersPass has run."""
         super().requires(model)
         if self.ctx.pairing is None:
             raise PreconditionError(f"{type(self).__name__} runs after PairInitializersPass")
 
     @property
     def pairing(self) -> Pairing:
+        """The pairing PairInitializersPass left in the context."""
         return self.ctx.pairing
 
 
@@ -66,11 +69,13 @@ class PairInitializersPass(ExportPass):
     """
 
     def requires(self, model: ir.Model) -> None:
+        """As ``ExportPass.requires``, and PreconditionError when the graph is paired already."""
         super().requires(model)
         if self.ctx.pairing is not None:
             raise PreconditionError("the graph's initializers are paired already")
 
     def call(self, model: ir.Model) -> PassResult:
+        """Pair and set aside (see the class); modified when anything was set aside or folded."""
         ctx, graph = self.ctx, model.graph
         tensors = graph_tensors(model)
         by_key = {t.key: t for t in tensors}
@@ -193,6 +198,7 @@ class FoldReparametrizationsPass(PairedExportPass):
     """
 
     def call(self, model: ir.Model) -> PassResult:
+        """Fold the plan's numeric steps (see the class); modified when a fold was made."""
         ctx, pairing = self.ctx, self.pairing
         before = ctx.counts.folded
         current = {n: list(vs) for n, vs in pairing.by_name.items()}
@@ -338,6 +344,7 @@ class RebindInitializersPass(PairedExportPass):
     no uses left and are not rebuilt."""
 
     def call(self, model: ir.Model) -> PassResult:
+        """Rebuild the set-aside initializers in use (see the class); modified when one was."""
         ctx, pairing = self.ctx, self.pairing
         before = ctx.counts.rebound
         available = self._recoverable()
@@ -412,6 +419,7 @@ class FuseSharedMatMulPass(PairedExportPass):
     """
 
     def call(self, model: ir.Model) -> PassResult:
+        """Fuse the groups that qualify (see the class); modified when one was fused."""
         ctx = self.ctx
         before = ctx.counts.fused_matmuls
         for split in [n for n in model.graph if n.op_type == "Split"]:
@@ -557,6 +565,7 @@ class RefuseLeftoverGraphWeightsPass(PairedExportPass):
     graph's own tensors still in use are recorded as kept (``ExportCounts.kept_constants``)."""
 
     def call(self, model: ir.Model) -> PassResult:
+        """Refuse leftovers, remove unused ones (see the class); modified when one was removed."""
         ctx, pairing = self.ctx, self.pairing
         leftovers = sorted((t for t in pairing.aside if _in_use(t.value)), key=lambda t: t.key)
         if leftovers:

@@ -102,6 +102,8 @@ class InverseProof:
         self.left_alone: list[str] = []  # tensors the provenance says the rules did not make
 
     def admits(self, rule: Rule, step: Step) -> bool:
+        """Whether the inverse ``step`` of ``rule`` undoes something the forward rule made, by
+        the recorded provenance; PlanError when there is none to tell (names alone cannot)."""
         forward, origin = self._forward[id(rule)]
         if not self._recorded:
             raise PlanError(
@@ -113,6 +115,8 @@ class InverseProof:
         return self._by_provenance(rule, forward, step, self._recorded_groups(forward, origin))
 
     def nothing_admitted(self, rule: Rule) -> PlanError:
+        """The PlanError for an inverse rule whose every match the provenance says its forward
+        rule did not make (returned for the planner to raise)."""
         forward, _ = self._forward[id(rule)]
         return PlanError(
             f"{rule.describe()}: every tensor it matches is one the provenance of {self._where} says "

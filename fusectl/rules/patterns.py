@@ -40,6 +40,9 @@ MAX_OFFSET = 999
 
 @dataclass(frozen=True)
 class Placeholder:
+    """One ``{...}`` of a pattern: its ``name``, ``kind`` (``"seg"`` for ``{x}``, ``"int"`` for
+    ``{x:int}``, ``"multi"`` for ``{x*}``) and ``offset`` (``{n+1}``: 1)."""
+
     name: str
     kind: str  # "seg", "int" or "multi"
     offset: int = 0  # {n+1}: kind "int", offset 1
@@ -80,6 +83,12 @@ class Pattern:
 
     @classmethod
     def parse(cls, text: str) -> "Pattern":
+        """Compile a pattern as a rules file writes it; RuleError for a malformed placeholder or a
+        pattern that could bind two ways.
+
+        >>> Pattern.parse("{p*}.layers.{i:int}.weight").names == {"p", "i"}
+        True
+        """
         if not isinstance(text, str) or not text:
             raise RuleError(f"pattern {text!r} must be a non-empty string")
         parts: list[str | Placeholder] = []
@@ -103,10 +112,12 @@ class Pattern:
 
     @property
     def placeholders(self) -> tuple[Placeholder, ...]:
+        """The pattern's placeholders, in the order it writes them."""
         return tuple(p for p in self.parts if isinstance(p, Placeholder))
 
     @property
     def names(self) -> frozenset[str]:
+        """The names its placeholders bind."""
         return frozenset(p.name for p in self.placeholders)
 
     def _check_unambiguous(self) -> None:

@@ -12,11 +12,17 @@ from .schema import RuleSet, load_rules
 
 
 def preset_names() -> list[str]:
+    """The names of the shipped presets, sorted (``fusectl rules list``).
+
+    >>> "llama-qkv" in preset_names()
+    True
+    """
     folder = resources.files(__package__) / "presets"
     return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
 def preset_text(name: str) -> str:
+    """The TOML text of preset ``name``; RuleError listing the presets when there is none of that name."""
     if name not in preset_names():
         raise RuleError(
             f"{name!r} is neither a rules file nor a preset; presets are {', '.join(preset_names())}"

@@ -34,6 +34,7 @@ class Rule:
     optional: bool = False
 
     def describe(self) -> str:
+        """How messages name the rule: ``rule 'attn-qkv' (rules.toml)``."""
         return f"rule {self.name!r} ({self.source})"
 
 

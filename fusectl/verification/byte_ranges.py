@@ -80,6 +80,8 @@ class RangeComparer:
         self._left, self._right = _Reader(), _Reader()
 
     def equal(self, left: Sequence[ByteRange], right: Sequence[ByteRange]) -> bool:
+        """Whether the bytes of ``left`` and ``right`` (range lists of one length) are equal,
+        read chunk by chunk."""
         for seg in aligned(left, right):
             done = 0
             while done < seg.length:
@@ -96,6 +98,7 @@ class RangeComparer:
         return True
 
     def close(self) -> None:
+        """Close the files both readers opened."""
         self._left.close()
         self._right.close()
 
@@ -109,6 +112,8 @@ class ByteCorrespondence:
     _runs: dict[tuple[str, str, int], list[list[int]]] = field(default_factory=dict)
 
     def add(self, reference: Sequence[ByteRange], candidate: Sequence[ByteRange]) -> None:
+        """Record that the bytes of ``reference`` equal those of ``candidate`` (call ``freeze``
+        once all are added)."""
         for seg in aligned(reference, candidate):
             runs = self._runs.setdefault((seg.left, seg.right, seg.right_offset - seg.left_offset), [])
             runs.append([seg.left_offset, seg.left_offset + seg.length])

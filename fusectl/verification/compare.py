@@ -35,6 +35,7 @@ class Comparison:
     note: str = ""
 
     def to_json(self) -> dict:
+        """The comparison as reports write it: every field, by name."""
         return asdict(self)
 
 

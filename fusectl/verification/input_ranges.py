@@ -27,6 +27,7 @@ class IntegerRange:
     reason: str
 
     def to_json(self) -> list[int]:
+        """``[low, high]``, as a report's ``range`` lists it."""
         return [self.low, self.high]
 
 

@@ -31,9 +31,12 @@ class ModelVerifyReport(VerifyReport):
     dims: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """The report's JSON (``--report``), with the named ``dims`` added."""
         return {**super().to_json(), "dims": dict(self.dims)}
 
     def to_text(self) -> str:
+        """The report's text, with a line listing the inputs (and the dims and random integer
+        ranges they were made with) after the first."""
         head, *rest = super().to_text().split("\n")
         inputs = ", ".join(f"{printable(i['name'])} {i['dtype']}{i['shape']}"
                            + (" from file" if i["source"] == "file" else "") for i in self.inputs)
