@@ -400,6 +400,7 @@ class _Projection:
 
     @property
     def label(self) -> str:
+        """How messages name the node: its name, else its first output's."""
         return self.node.name or self.node.outputs[0].name
 
 

@@ -271,6 +271,9 @@ class SpectralNormFold(Op):
         rewriter.replace_subgraph(step, values)
 
     def candidate_dims(self, w: Sequence[int], u: Sequence[int], v: Sequence[int], names) -> list[int]:
+        """The axes ``dim`` may be for W of shape ``w`` and vectors of lengths ``u``, ``v``: the
+        rule's dim, or for ``"auto"`` those of axes 0 and 1 where len(u) is the axis' length and len(v)
+        the rest; PlanError naming the tensor when none fits."""
         if len(u) != 1 or len(v) != 1:
             raise PlanError(f"{names[1]!r} and {names[2]!r} must be vectors (shapes {list(u)}, {list(v)})")
         numel = int(np.prod(w))

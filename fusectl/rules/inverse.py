@@ -184,6 +184,7 @@ class _Writers:
         return self._now.get(name)
 
     def undo(self, key: tuple[int, int], step: Step) -> None:
+        """Forget that step ``key`` wrote its outputs: each name it touched goes back to its writer before it."""
         for name in step.outputs:
             self._now.pop(name, None)
         for name, writer in self._before[key].items():

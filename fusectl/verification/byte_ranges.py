@@ -58,6 +58,8 @@ class _Reader:
         self.files: dict[str, int] = {}
 
     def read(self, path: str, offset: int, length: int) -> memoryview:
+        """``length`` bytes of ``path`` at ``offset``, in the reused buffer (valid until the next
+        read); CheckpointError when the file is shorter."""
         fd = self.files.get(path)
         if fd is None:
             fd = self.files[path] = os.open(path, os.O_RDONLY)
@@ -68,6 +70,7 @@ class _Reader:
         return self.view[:length]
 
     def close(self) -> None:
+        """Close every file it opened."""
         for fd in self.files.values():
             os.close(fd)
         self.files.clear()

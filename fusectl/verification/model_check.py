@@ -58,6 +58,7 @@ class _Float32Inputs(Mapping[str, np.ndarray]):
 
     @property
     def declared(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Each input's shape and dtype as the upcast model sees it (bfloat16 declared as float32)."""
         return {k: (shape, np.dtype(np.float32) if dtype == ml_dtypes.bfloat16 else dtype)
                 for k, (shape, dtype) in declared_arrays(self._arrays).items()}
 
