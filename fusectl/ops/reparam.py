@@ -82,8 +82,8 @@ class WeightNormFold(Op):
     ``"none"``, PyTorch's ``dim=None``, the whole tensor). The output has v's shape and dtype,
     computed in float32 (float64 for float64). Refuses tensors that are not floating point, a g
     whose shape does not fit v and ``dim``, and, when the step runs, a slice of v with zero norm (a
-    ComputeError, never a NaN written). Inverse: ``weight_norm_unfold`` with the dim resolved from
-    g's shape; from the rule alone only with an explicit ``dim``.
+    ComputeError, never a NaN written). Inverse: ``weight_norm_unfold`` with the dim the step used
+    (``"auto"`` resolved from g's shape); from the rule alone only with an explicit ``dim``.
 
     >>> g, v = np.array([[10.0], [2.0]]), np.array([[3.0, 4.0], [0.0, 2.0]])
     >>> WeightNormFold().apply([g, v])[0].tolist()
