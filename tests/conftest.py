@@ -252,3 +252,49 @@ def refused(result, *needles: str, unwritten=()) -> None:
         assert needle in result.stderr, f"{needle!r} not in {result.stderr}"
     for path in unwritten:
         assert not os.path.lexists(path), f"{path} was written"
+
+
+# ------------------------------------------------- bad input: the refusal contract, in full
+
+LLAMA = "tiny-llama-gqa"
+BF16 = "tiny-llama-gqa-bf16-sharded"
+
+
+@pytest.fixture
+def area(tmp_path):
+    """``in/`` for inputs, ``out/`` as the output's folder."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "out").mkdir()
+    return tmp_path
+
+
+def assert_refused(result, out: Path, before: dict, inputs_root: Path, *needles: str):
+    """Exit 2, ``error:`` naming each needle, no traceback, ``out`` not written, nothing left
+    beside it, and every byte under ``inputs_root`` as in ``before`` (a :func:`snapshot`)."""
+    text = result.output
+    assert result.exit_code == 2, f"exit {result.exit_code}\n{text}"
+    assert result.stderr.startswith("error:"), result.stderr
+    assert "Traceback" not in text
+    assert "internal error" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, f"{needle!r} not named in: {result.stderr}"
+    assert not os.path.lexists(out), f"{out} was written"
+    assert leftovers(out.parent) == [], leftovers(out.parent)
+    assert snapshot(inputs_root) == before, "the input changed"
+
+
+def refuse_case(cli, area, ckpt: Path, *args, needles=(), out_name="result"):
+    """``fusectl fuse CKPT ARGS -o area/out/OUT_NAME`` must be refused (:func:`assert_refused`)."""
+    out = area / "out" / out_name
+    before = snapshot(area / "in")
+    result = cli("fuse", ckpt, *args, "-o", out)
+    assert_refused(result, out, before, area / "in", *needles)
+    return result
+
+
+def llama_tensors(copy_fixture):
+    """The tiny llama's tensors (name → numpy array), from a copy at ``in/llama-src``."""
+    import safetensors.numpy
+
+    src = copy_fixture(LLAMA, "llama-src")
+    return safetensors.numpy.load_file(str(src / "model.safetensors"))

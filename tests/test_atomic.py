@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import BF16, LLAMA, assert_refused, leftovers, load_checkpoint_raw, ok, snapshot, write_rules
 from fusectl.errors import OutputError
 from fusectl.io import atomic
 from fusectl.io.atomic import atomic_output, temporary_name
+
 
 OLD = {"out.onnx": b"old model", "out.onnx.data": b"old data"}
 NEW = {"out.onnx": b"new model", "out.onnx.data": b"new data"}
@@ -175,3 +177,190 @@ def test_what_a_live_run_left_is_not_touched(tmp_path):
         (tmp_path / name).write_bytes(data)
     write_pair(tmp_path)
     assert contents(tmp_path) == {**theirs, **NEW}
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_existing_output_without_force(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "fused.safetensors"
+    out.write_bytes(b"precious")
+    before_in = snapshot(area / "in")
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", out)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error:")
+    assert "fused.safetensors" in result.stderr and "--force" in result.stderr
+    assert out.read_bytes() == b"precious"
+    assert leftovers(out.parent) == []
+    assert snapshot(area / "in") == before_in
+
+
+def test_existing_output_with_force_is_replaced(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "fused.safetensors"
+    out.write_bytes(b"precious")
+    ok(cli("fuse", src, "-r", "llama-qkv", "-o", out, "--force"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in load_checkpoint_raw(out)
+    assert leftovers(out.parent) == []
+
+
+def test_existing_folder_output_with_force_is_replaced(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "fused"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    ok(cli("fuse", src, "-r", "llama-qkv", "-o", out, "--force"))
+    assert not (out / "stale.txt").exists()
+    assert (out / "model.safetensors").exists()
+    assert leftovers(out.parent) == []
+
+
+def test_failed_run_with_force_keeps_old_output(cli, area, copy_fixture):
+    """A failing run with --force leaves the previous output exactly as it was."""
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "fused"
+    ok(cli("fuse", src, "-r", "llama-qkv", "-o", out))
+    old = snapshot(area / "out")
+    rules = write_rules(area / "in" / "shape.toml", """
+version = 1
+[[rule]]
+name = "bad-concat"
+op = "concat"
+inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.mlp.down_proj.weight"]
+output = "model.layers.{i:int}.nonsense.weight"
+""")
+    result = cli("fuse", src, "-r", rules, "-o", out, "--force")
+    assert result.exit_code == 2 and result.stderr.startswith("error:")
+    assert snapshot(area / "out") == old
+
+
+def test_write_failure_with_force_keeps_old_output(cli, area, copy_fixture, monkeypatch):
+    """A failure in the middle of writing (disk full) leaves the old output and no temp file."""
+    import fusectl.io.safetensors_file as st
+
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "fused"
+    ok(cli("fuse", src, "-r", "llama-qkv", "-o", out))
+    old = snapshot(area / "out")
+    before_in = snapshot(area / "in")
+
+    real_write_all = st.write_all
+    calls = {"n": 0}
+
+    def failing_write_all(fd, data):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_all(fd, data)
+
+    def failing_copy(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(st, "write_all", failing_write_all)
+    monkeypatch.setattr(st, "copy_ranges", failing_copy)
+    result = cli("fuse", src, "-r", "llama-qkv", "-r", "llama-gate-up", "-o", out, "--force")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error:")
+    assert "Traceback" not in result.output
+    assert snapshot(area / "out") == old
+    assert leftovers(area / "out") == []
+    assert snapshot(area / "in") == before_in
+
+
+def test_write_failure_without_existing_output_leaves_nothing(cli, area, copy_fixture, monkeypatch):
+    import fusectl.io.safetensors_file as st
+
+    src = copy_fixture(BF16)
+
+    def failing_copy(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(st, "copy_ranges", failing_copy)
+    out = area / "out" / "fused"
+    before = snapshot(area / "in")
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", out, "--max-shard-size", "20KB")
+    assert_refused(result, out, before, area / "in")
+    assert os.listdir(area / "out") == []
+
+
+def test_output_equal_to_input_file(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    model = src / "model.safetensors"
+    before = snapshot(area / "in")
+    for extra in ([], ["--force"]):
+        result = cli("fuse", model, "-r", "llama-qkv", "-o", model, *extra,
+                     "--config", src / "config.json")
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith("error:")
+        assert "model.safetensors" in result.stderr
+        assert snapshot(area / "in") == before
+        assert leftovers(src) == []
+
+
+def test_output_equal_to_input_folder(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    before = snapshot(area / "in")
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", src, "--force")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error:")
+    assert snapshot(area / "in") == before
+    assert leftovers(area / "in") == []
+
+
+def test_output_folder_containing_input_shard(cli, area, copy_fixture):
+    """-o naming the sharded input's folder (spelled differently) is still the input."""
+    src = copy_fixture(BF16)
+    before = snapshot(area / "in")
+    result = cli("fuse", src / "model.safetensors.index.json", "-r", "llama-qkv",
+                 "-o", str(src) + "/", "--force")
+    assert result.exit_code == 2, result.output
+    assert snapshot(area / "in") == before
+
+
+def test_output_parent_missing(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "no" / "such" / "dir" / "x.safetensors"
+    before = snapshot(area / "in")
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", out)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error:")
+    assert not out.exists()
+    assert snapshot(area / "in") == before
+
+
+def test_output_is_the_input_through_a_symlink(cli, area, copy_fixture):
+    """-o naming the input's real path while CKPT is a symlink to it: still the input."""
+    src = copy_fixture(LLAMA)
+    link = area / "in" / "link"
+    link.symlink_to(src, target_is_directory=True)
+    before = snapshot(src)
+    result = cli("fuse", link, "-r", "llama-qkv", "-o", src, "--force")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error:")
+    assert snapshot(src) == before, "the input was overwritten"
+    assert leftovers(area / "in") == []
+
+
+def test_output_symlink_pointing_at_the_input(cli, area, copy_fixture):
+    """-o is a symlink to the input file: refuse rather than risk replacing what it names."""
+    src = copy_fixture(LLAMA)
+    model = src / "model.safetensors"
+    link = area / "out" / "alias.safetensors"
+    link.symlink_to(model)
+    before = snapshot(src)
+    result = cli("fuse", src, "-r", "llama-qkv", "-o", link, "--force")
+    # whatever the outcome, the input's bytes must be intact
+    assert snapshot(src) == before
+    assert "Traceback" not in result.output
+
+
+def test_output_inside_the_input_folder_is_refused(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    before = snapshot(area / "in")
+    # the folder itself is the input; and a file input's config.json is an input too
+    for ckpt, out in ((src, src / "fused.safetensors"), (src / "model.safetensors", src / "config.json")):
+        result = cli("fuse", ckpt, "-r", "llama-qkv", "-o", out, "--force")
+        assert result.exit_code == 2, result.output
+        assert "input" in result.stderr
+    assert snapshot(area / "in") == before

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
+from conftest import LLAMA, refuse_case, write_rules
 from fusectl.dtypes import ARRAY_DTYPES, BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops.layout import (
@@ -36,6 +37,7 @@ from fusectl.ops.layout import (
     Unstack,
 )
 from fusectl.tensors import ByteRange, TensorSpec
+
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 DTYPE_NAMES = sorted(ARRAY_DTYPES)
@@ -707,3 +709,20 @@ def test_infer_rejects_and_names_the_tensor(op, specs, names, culprit):
 def test_infer_rejects_bad_parameters(op):
     with pytest.raises(PlanError):
         op.infer([spec((8, 2))], ["w"])
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_shape_mismatch_in_concat(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "shape.toml", """
+version = 1
+[[rule]]
+name = "bad-concat"
+op = "concat"
+inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.mlp.down_proj.weight"]
+output = "model.layers.{i:int}.nonsense.weight"
+axis = 0
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["bad-concat", "down_proj"])

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from conftest import array_of, load_checkpoint_raw, ok, parse_safetensors, write_safetensors
+from conftest import LLAMA, refuse_case
 from fusectl.rules.presets import load_rules_arg, preset_names
+
 
 PRESETS = {
     # preset: (fixture it applies to, names it must produce in layer 0)
@@ -273,3 +275,11 @@ def test_conv_bn_fold_handles_torchvision_and_sequential_names_in_one_model(cli,
     np.testing.assert_allclose(folded, w * scale[:, None, None, None], rtol=1e-6)
     bias = np.frombuffer(got["features.1.0.bias"][2], np.float32)
     np.testing.assert_allclose(bias, -bn["running_mean"] * scale + bn["bias"], rtol=1e-6, atol=1e-7)
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_preset_that_does_not_exist(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    refuse_case(cli, area, src, "-r", "llama-qkv-typo", needles=["llama-qkv-typo"])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import LLAMA, assert_refused, snapshot
 from fusectl.errors import PlanError
 from fusectl.ops.layout import Concat, Stack, Unstack
 from fusectl.rules.inverse import invert_rule, invert_ruleset
 from fusectl.rules.schema import load_rules
+
 
 SRC = "rules/test.toml"
 
@@ -53,3 +55,15 @@ def test_guards_are_left_out_of_the_inverse():
     rs = rules('[[rule]]\nname = "no"\nop = "refuse"\ninput = "w_hr"\nmessage = "not supported"\n'
                '[[rule]]\nname = "r"\nop = "rename"\ninput = "a"\noutput = "b"\n')
     assert [r.name for r in invert_ruleset(rs).rules] == ["r (inverse)"]
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_unfuse_rules_that_do_not_fit(cli, area, copy_fixture):
+    """Inverting llama-qkv needs qkv_proj, which an unfused checkpoint lacks."""
+    src = copy_fixture(LLAMA)
+    out = area / "out" / "restored"
+    before = snapshot(area / "in")
+    result = cli("unfuse", src, "-r", "llama-qkv", "-o", out)
+    assert_refused(result, out, before, area / "in", "qkv_proj")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import LLAMA, refuse_case, write_rules
 from fusectl.errors import RuleError
 from fusectl.ops.layout import Concat, Interleave, Rename, RopePermute, Split, Stack, Unstack
 from fusectl.rules.schema import RuleSet, load_rules
+
 
 SRC = "rules/attn.toml"
 
@@ -444,3 +446,71 @@ def test_rule_name_must_be_a_string():
 def test_deeply_nested_toml_is_a_rule_error_not_a_crash():
     msg = error("version = 1\na = " + "[" * 100_000 + "]" * 100_000 + "\n")
     assert SRC in msg and "nest too deeply" in msg
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_rules_file_not_toml(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "bad.toml", "version = 1\n[[rule]\nop = 'rename'\n")
+    refuse_case(cli, area, src, "-r", rules, needles=["bad.toml", "TOML"])
+
+
+def test_unknown_rule_key(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "typo.toml", """
+version = 1
+[[rule]]
+name = "attn-qkv"
+op = "concat"
+inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.self_attn.k_proj.weight"]
+output = "model.layers.{i:int}.self_attn.qk_proj.weight"
+axes = 0
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["typo.toml", "attn-qkv", "axes"])
+
+
+def test_unknown_top_level_key_refuses_the_fuse(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "top.toml", """
+version = 1
+variables = { a = 1 }
+[[rule]]
+op = "drop"
+input = "lm_head.weight"
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["top.toml", "variables"])
+
+
+def test_unknown_ties_key(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "ties.toml", """
+version = 1
+[ties]
+group = [["a", "b"]]
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["ties.toml", "group"])
+
+
+def test_unknown_op(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "op.toml", """
+version = 1
+[[rule]]
+name = "mystery"
+op = "fuse_everything"
+input = "lm_head.weight"
+output = "x"
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["op.toml", "mystery", "fuse_everything"])
+
+
+def test_missing_version_refuses_the_fuse(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "nov.toml", """
+[[rule]]
+op = "drop"
+input = "lm_head.weight"
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["nov.toml", "version"])

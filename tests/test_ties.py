@@ -15,6 +15,7 @@ from conftest import (
     load_checkpoint_raw,
     ok,
     parse_safetensors,
+    refused,
     snapshot,
     write_rules,
     write_safetensors,
@@ -45,12 +46,32 @@ def params_by_name(report):
     return {p["name"]: p for p in report["parameters"]}
 
 
+def report_of(cli, path, *flags) -> dict:
+    """``fusectl inspect PATH --json FLAGS``, which must succeed, parsed."""
+    return ok(cli("inspect", path, "--json", *flags)).json()
+
+
+def fused(cli, src, rules, out, *flags):
+    """``fusectl fuse SRC -r RULES -o OUT FLAGS``, which must succeed; OUT parsed by hand
+    (tensors, metadata)."""
+    ok(cli("fuse", src, "-r", rules, "-o", out, *flags))
+    return parse_safetensors(out)
+
+
+def fused_with(cli, src, tmp_path, text, *flags, rules="rules.toml", out="out.safetensors"):
+    """Write the rules ``text`` to ``tmp_path/rules``, fuse ``src`` with them into
+    ``tmp_path/out`` (which must succeed) → (out path, tensors, metadata)."""
+    out = tmp_path / out
+    tensors, meta = fused(cli, src, write_rules(tmp_path / rules, text), out, *flags)
+    return out, tensors, meta
+
+
 # ----------------------------------------------------------------------- save_model metadata
 
 
 def test_inspect_reports_save_model_tie(cli, copy_fixture):
     src = copy_fixture(TIED)
-    report = ok(cli("inspect", src, "--json")).json()
+    report = report_of(cli, src)
     assert report["ties"] == [["embed.weight", "head.weight"]]
     params = params_by_name(report)
     assert sorted(params) == ["embed.weight", "head.weight", "proj.bias", "proj.weight"]
@@ -71,20 +92,17 @@ def test_inspect_text_shows_tie(cli, copy_fixture):
 def test_plain_copy_keeps_tie_stored_once(cli, copy_fixture, tmp_path):
     """A rule that touches neither member keeps the tie; the output stores it once."""
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "proj.toml", """
+    out, tensors, meta = fused_with(cli, src, tmp_path, """
 version = 1
 [[rule]]
 name = "proj-rename"
 op = "rename"
 input = "proj.{t}"
 output = "linear.{t}"
-""")
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    tensors, meta = parse_safetensors(out)
+""", rules="proj.toml")
     assert sorted(tensors) == ["embed.weight", "linear.bias", "linear.weight"]
     assert meta["head.weight"] == "embed.weight"
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert report["ties"] == [["embed.weight", "head.weight"]]
 
 
@@ -94,11 +112,7 @@ output = "linear.{t}"
 def test_rename_of_one_member_keeps_tie(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
     before = snapshot(src.parent)
-    rules = write_rules(tmp_path / "rename.toml", RENAME_HEAD)
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-
-    tensors, meta = parse_safetensors(out)
+    out, tensors, meta = fused_with(cli, src, tmp_path, RENAME_HEAD, rules="rename.toml")
     # stored once, under the member that was stored in the input
     assert sorted(tensors) == ["embed.weight", "proj.bias", "proj.weight"]
     orig, _ = parse_safetensors(src)
@@ -110,7 +124,7 @@ def test_rename_of_one_member_keeps_tie(cli, copy_fixture, tmp_path):
     provenance = json.loads(meta["fusectl"])
     assert provenance["aliases"] == {"lm_head.weight": "embed.weight"}
 
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert report["ties"] == [["embed.weight", "lm_head.weight"]]
     assert params_by_name(report)["lm_head.weight"]["unique"] == "embed.weight"
     assert snapshot(src.parent) == before
@@ -119,9 +133,7 @@ def test_rename_of_one_member_keeps_tie(cli, copy_fixture, tmp_path):
 def test_rename_output_loads_with_safetensors_and_save_model_metadata(cli, copy_fixture, tmp_path):
     """What safetensors.torch.load_model needs: the kept tensor stored, {alias: kept} in metadata."""
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "rename.toml", RENAME_HEAD)
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
+    out, _, _ = fused_with(cli, src, tmp_path, RENAME_HEAD, rules="rename.toml")
     with safetensors.safe_open(str(out), framework="numpy") as f:
         meta = f.metadata()
         kept = meta["lm_head.weight"]
@@ -133,11 +145,10 @@ def test_rename_output_loads_with_safetensors_and_save_model_metadata(cli, copy_
 
 def test_rename_then_unfuse_restores_original_tie(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "rename.toml", RENAME_HEAD)
-    out, back = tmp_path / "out.safetensors", tmp_path / "back.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
+    out, _, _ = fused_with(cli, src, tmp_path, RENAME_HEAD, rules="rename.toml")
+    back = tmp_path / "back.safetensors"
     ok(cli("unfuse", out, "-o", back))
-    report = ok(cli("inspect", back, "--json")).json()
+    report = report_of(cli, back)
     assert report["ties"] == [["embed.weight", "head.weight"]]
     assert load_checkpoint_raw(back) == load_checkpoint_raw(src)
     assert parse_safetensors(back)[1].get("head.weight") == "embed.weight"
@@ -146,29 +157,26 @@ def test_rename_then_unfuse_restores_original_tie(cli, copy_fixture, tmp_path):
 def test_rename_of_stored_member_keeps_tie(cli, copy_fixture, tmp_path):
     """Renaming the stored member (embed.weight) keeps one stored copy and the alias."""
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "rename.toml", """
+    out, tensors, meta = fused_with(cli, src, tmp_path, """
 version = 1
 [[rule]]
 name = "embed-rename"
 op = "rename"
 input = "embed.weight"
 output = "wte.weight"
-""")
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    tensors, meta = parse_safetensors(out)
+""", rules="rename.toml")
     assert len(tensors) == 3
     stored = [n for n in ("head.weight", "wte.weight") if n in tensors]
     assert len(stored) == 1
     alias = ({"head.weight", "wte.weight"} - set(stored)).pop()
     assert meta[alias] == stored[0]
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert report["ties"] == [["head.weight", "wte.weight"]]
 
 
 def test_same_transform_on_every_member_keeps_tie(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "t.toml", """
+    out, tensors, meta = fused_with(cli, src, tmp_path, """
 version = 1
 [[rule]]
 name = "both-transpose"
@@ -176,15 +184,12 @@ op = "transpose"
 input = "{m}.weight"
 output = "{m}.weight_t"
 optional = true
-""")
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    tensors, meta = parse_safetensors(out)
+""", rules="t.toml")
     embed_t = [n for n in ("embed.weight_t", "head.weight_t") if n in tensors]
     assert len(embed_t) == 1, sorted(tensors)
     orig = array_of(parse_safetensors(src)[0]["embed.weight"])
     np.testing.assert_array_equal(array_of(tensors[embed_t[0]]), orig.T)
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert ["embed.weight_t", "head.weight_t"] in report["ties"]
 
 
@@ -193,18 +198,11 @@ optional = true
 
 def test_transform_of_one_member_is_refused(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    before = snapshot(tmp_path)
     rules = write_rules(tmp_path / "t.toml", TRANSPOSE_EMBED)
     before = snapshot(tmp_path)
     out = tmp_path / "out.safetensors"
-    result = cli("fuse", src, "-r", rules, "-o", out)
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error:")
-    assert "embed-transpose" in result.stderr
-    assert "embed.weight" in result.stderr and "head.weight" in result.stderr
-    assert "--untie" in result.stderr
-    assert "Traceback" not in result.output
-    assert not out.exists()
+    refused(cli("fuse", src, "-r", rules, "-o", out), "embed-transpose", "embed.weight", "head.weight", "--untie",
+            unwritten=[out])
     assert leftovers(tmp_path) == []
     assert snapshot(tmp_path) == before
 
@@ -219,16 +217,13 @@ def test_plan_refuses_transform_of_one_member(cli, copy_fixture, tmp_path):
 
 def test_transform_of_one_member_with_untie_writes_both(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "t.toml", TRANSPOSE_EMBED)
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out, "--untie"))
-    tensors, meta = parse_safetensors(out)
+    out, tensors, meta = fused_with(cli, src, tmp_path, TRANSPOSE_EMBED, "--untie", rules="t.toml")
     assert sorted(tensors) == ["embed.weight", "head.weight", "proj.bias", "proj.weight"]
     orig = array_of(parse_safetensors(src)[0]["embed.weight"])
     np.testing.assert_array_equal(array_of(tensors["embed.weight"]), orig.T)
     np.testing.assert_array_equal(array_of(tensors["head.weight"]), orig)
     assert "head.weight" not in {k for k, v in meta.items() if k != "fusectl" and k != "format"}
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert report["ties"] == []
     assert report["unique_count"] == 4
 
@@ -255,10 +250,7 @@ output = "fused.weight"
 axis = 0
 """)
     out = tmp_path / "out.safetensors"
-    result = cli("fuse", src, "-r", rules, "-o", out)
-    assert result.exit_code == 2, result.output
-    assert "embed-into-stack" in result.stderr and "head.weight" in result.stderr
-    assert not out.exists()
+    refused(cli("fuse", src, "-r", rules, "-o", out), "embed-into-stack", "head.weight", unwritten=[out])
 
 
 # ------------------------------------------------------------------------------------ [ties]
@@ -302,21 +294,18 @@ def test_ties_section_merges_bitwise_equal_tensors(cli, twins, tmp_path):
     assert doc["result"]["ties"] == [["decoder.embed.weight", "encoder.embed.weight"]]
     # both names were stored in the input, and no loader restores an alias the model does not
     # declare itself: by default both stay stored
-    kept = tmp_path / "kept.safetensors"
-    ok(cli("fuse", same, "-r", rules, "-o", kept))
-    tensors, meta = parse_safetensors(kept)
+    tensors, meta = fused(cli, same, rules, tmp_path / "kept.safetensors")
     assert sorted(tensors) == ["b", "decoder.embed.weight", "encoder.embed.weight"]
     assert "encoder.embed.weight" not in meta and "decoder.embed.weight" not in meta
     for name in ("decoder.embed.weight", "encoder.embed.weight"):
         np.testing.assert_array_equal(array_of(tensors[name]), w)
     # --write-ties-once stores one copy: the first in sorted order of the stored members
     out = tmp_path / "out.safetensors"
-    ok(cli("fuse", same, "-r", rules, "-o", out, "--write-ties-once"))
-    tensors, meta = parse_safetensors(out)
+    tensors, meta = fused(cli, same, rules, out, "--write-ties-once")
     assert sorted(tensors) == ["b", "decoder.embed.weight"]
     assert meta["encoder.embed.weight"] == "decoder.embed.weight"
     np.testing.assert_array_equal(array_of(tensors["decoder.embed.weight"]), w)
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert report["ties"] == [["decoder.embed.weight", "encoder.embed.weight"]]
 
 
@@ -325,20 +314,15 @@ def test_ties_section_refuses_different_tensors(cli, twins, tmp_path):
     rules = write_rules(tmp_path / "ties.toml", TIES_RULES)
     before = snapshot(tmp_path)
     out = tmp_path / "out.safetensors"
-    result = cli("fuse", diff, "-r", rules, "-o", out)
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error:")
-    assert "encoder.embed.weight" in result.stderr and "decoder.embed.weight" in result.stderr
-    assert "ties.toml" in result.stderr
-    assert "Traceback" not in result.output
-    assert not out.exists()
+    refused(cli("fuse", diff, "-r", rules, "-o", out), "encoder.embed.weight", "decoder.embed.weight", "ties.toml",
+            unwritten=[out])
     assert snapshot(tmp_path) == before
     assert cli("plan", diff, "-r", rules).exit_code == 2
 
 
 def test_ties_section_missing_member_becomes_alias(cli, copy_fixture, tmp_path):
     src = copy_fixture("tiny-llama-gqa")
-    rules = write_rules(tmp_path / "ties.toml", """
+    out, tensors, meta = fused_with(cli, src, tmp_path, """
 version = 1
 [ties]
 groups = [["model.embed_tokens.weight", "output.weight"]]
@@ -347,13 +331,10 @@ name = "norm-rename"
 op = "rename"
 input = "model.norm.weight"
 output = "model.final_norm.weight"
-""")
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    tensors, meta = parse_safetensors(out)
+""", rules="ties.toml")
     assert "output.weight" not in tensors
     assert meta["output.weight"] == "model.embed_tokens.weight"
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert ["model.embed_tokens.weight", "output.weight"] in report["ties"]
 
 
@@ -393,17 +374,17 @@ def test_conflicting_tie_sources_are_an_error(cli, tmp_path):
 
 def test_inspect_detect_ties_reports_suspected(cli, twins):
     same, diff, _ = twins
-    report = ok(cli("inspect", same, "--json", "--detect-ties")).json()
+    report = report_of(cli, same, "--detect-ties")
     assert report["suspected_ties"] == [["decoder.embed.weight", "encoder.embed.weight"]]
     assert report["ties"] == [], "suspected ties are reported, not adopted"
     text = ok(cli("inspect", same, "--detect-ties")).stdout
     assert "suspected" in text and "decoder.embed.weight" in text
-    assert ok(cli("inspect", diff, "--json", "--detect-ties")).json()["suspected_ties"] == []
+    assert report_of(cli, diff, "--detect-ties")["suspected_ties"] == []
 
 
 def test_detect_ties_does_not_repeat_known_ties(cli, copy_fixture):
     src = copy_fixture(TIED)
-    report = ok(cli("inspect", src, "--json", "--detect-ties")).json()
+    report = report_of(cli, src, "--detect-ties")
     assert report["suspected_ties"] == []
     assert report["ties"] == [["embed.weight", "head.weight"]]
 
@@ -411,7 +392,7 @@ def test_detect_ties_does_not_repeat_known_ties(cli, copy_fixture):
 def test_detect_ties_ignores_equal_bytes_with_different_shape(cli, tmp_path):
     a = np.arange(8, dtype=np.float32)
     path = write_safetensors(tmp_path / "s.safetensors", {"a": a, "b": a.reshape(2, 4)})
-    assert ok(cli("inspect", path, "--json", "--detect-ties")).json()["suspected_ties"] == []
+    assert report_of(cli, path, "--detect-ties")["suspected_ties"] == []
 
 
 def test_fuse_detect_ties_adopts(cli, twins, tmp_path):
@@ -426,21 +407,15 @@ output = "b"
     plan = ok(cli("plan", same, "-r", rules, "--detect-ties", "--json")).json()
     assert plan["result"]["ties"] == [["decoder.embed.weight", "encoder.embed.weight"]]
     # adopted for planning, but both stay stored: a standard loader would not restore an alias
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", same, "-r", rules, "-o", out, "--detect-ties"))
-    tensors, meta = parse_safetensors(out)
+    tensors, meta = fused(cli, same, rules, tmp_path / "out.safetensors", "--detect-ties")
     assert sorted(tensors) == ["b", "decoder.embed.weight", "encoder.embed.weight"]
     assert "encoder.embed.weight" not in meta
     # --write-ties-once writes the adopted tie as an alias
-    once = tmp_path / "once.safetensors"
-    ok(cli("fuse", same, "-r", rules, "-o", once, "--detect-ties", "--write-ties-once"))
-    tensors, meta = parse_safetensors(once)
+    tensors, meta = fused(cli, same, rules, tmp_path / "once.safetensors", "--detect-ties", "--write-ties-once")
     assert len(tensors) == 2
     assert meta["encoder.embed.weight"] == "decoder.embed.weight"
     # without the flag, both stay stored
-    out2 = tmp_path / "out2.safetensors"
-    ok(cli("fuse", same, "-r", rules, "-o", out2))
-    assert len(parse_safetensors(out2)[0]) == 3
+    assert len(fused(cli, same, rules, tmp_path / "out2.safetensors")[0]) == 3
 
 
 def test_detect_ties_never_suspects_constant_tensors(cli, tmp_path):
@@ -451,7 +426,7 @@ def test_detect_ties_never_suspects_constant_tensors(cli, tmp_path):
         "c.bias": np.zeros(8, np.float32),
         "x": np.arange(8, dtype=np.float32), "y": np.arange(8, dtype=np.float32),
     }, str(path))
-    report = ok(cli("inspect", path, "--detect-ties", "--json")).json()
+    report = report_of(cli, path, "--detect-ties")
     assert report["suspected_ties"] == [["x", "y"]]
     assert report["constant_groups_skipped"] == 2
     text = ok(cli("inspect", path, "--detect-ties")).output
@@ -473,33 +448,27 @@ output = "z"
 
 def test_drop_of_alias_removes_tie(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "d.toml", """
+    out, tensors, meta = fused_with(cli, src, tmp_path, """
 version = 1
 [[rule]]
 name = "drop-head"
 op = "drop"
 input = "head.weight"
-""")
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    tensors, meta = parse_safetensors(out)
+""", rules="d.toml")
     assert sorted(tensors) == ["embed.weight", "proj.bias", "proj.weight"]
     assert "head.weight" not in meta
-    assert ok(cli("inspect", out, "--json")).json()["ties"] == []
+    assert report_of(cli, out)["ties"] == []
 
 
 def test_drop_of_stored_member_keeps_other_name(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "d.toml", """
+    _, tensors, meta = fused_with(cli, src, tmp_path, """
 version = 1
 [[rule]]
 name = "drop-embed"
 op = "drop"
 input = "embed.weight"
-""")
-    out = tmp_path / "out.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    tensors, meta = parse_safetensors(out)
+""", rules="d.toml")
     assert sorted(tensors) == ["head.weight", "proj.bias", "proj.weight"]
     assert tensors["head.weight"] == parse_safetensors(src)[0]["embed.weight"]
     assert "embed.weight" not in meta
@@ -515,38 +484,36 @@ def test_tie_survives_sharded_output(cli, copy_fixture, tmp_path):
     holder = [s for s in shards if "embed.weight" in parse_safetensors(s)[0]]
     assert len(holder) == 1
     assert parse_safetensors(holder[0])[1]["lm_head.weight"] == "embed.weight"
-    report = ok(cli("inspect", out, "--json")).json()
+    report = report_of(cli, out)
     assert report["ties"] == [["embed.weight", "lm_head.weight"]]
     back = tmp_path / "back.safetensors"
     ok(cli("unfuse", out, "-o", back))
-    assert ok(cli("inspect", back, "--json")).json()["ties"] == [["embed.weight", "head.weight"]]
+    assert report_of(cli, back)["ties"] == [["embed.weight", "head.weight"]]
 
 
 def test_untie_then_unfuse_restores_the_tie(cli, copy_fixture, tmp_path):
     """SPEC §5: unfuse(fuse(x)) is x. The untied copies are bitwise equal again after the
     inverse, and the provenance records which group was untied, so the tie comes back."""
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "t.toml", TRANSPOSE_EMBED)
-    out, back = tmp_path / "out.safetensors", tmp_path / "back.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out, "--untie"))
+    out, _, _ = fused_with(cli, src, tmp_path, TRANSPOSE_EMBED, "--untie", rules="t.toml")
+    back = tmp_path / "back.safetensors"
     ok(cli("unfuse", out, "-o", back))
     tensors, meta = parse_safetensors(back)
     assert tensors.get("embed.weight") == parse_safetensors(src)[0]["embed.weight"]
-    report = ok(cli("inspect", back, "--json")).json()
+    report = report_of(cli, back)
     assert report["ties"] == [["embed.weight", "head.weight"]]
     assert sorted(tensors) == ["embed.weight", "proj.bias", "proj.weight"]
 
 
 def test_splitting_every_member_alike_keeps_the_parts_tied_and_unfuse_restores(cli, copy_fixture, tmp_path):
     src = copy_fixture(TIED)
-    rules = write_rules(tmp_path / "s.toml", 'version = 1\n[[rule]]\nop = "split"\ninput = "{m}.weight"\n'
-                                             'outputs = ["{m}.a", "{m}.b"]\n')
-    out, back = tmp_path / "out.safetensors", tmp_path / "back.safetensors"
-    ok(cli("fuse", src, "-r", rules, "-o", out))
-    report = ok(cli("inspect", out, "--json")).json()
+    out, _, _ = fused_with(cli, src, tmp_path, 'version = 1\n[[rule]]\nop = "split"\ninput = "{m}.weight"\n'
+                                               'outputs = ["{m}.a", "{m}.b"]\n', rules="s.toml")
+    back = tmp_path / "back.safetensors"
+    report = report_of(cli, out)
     assert ["embed.a", "head.a"] in report["ties"] and ["embed.b", "head.b"] in report["ties"]
     ok(cli("unfuse", out, "-o", back))
-    assert ok(cli("inspect", back, "--json")).json()["ties"] == [["embed.weight", "head.weight"]]
+    assert report_of(cli, back)["ties"] == [["embed.weight", "head.weight"]]
     assert parse_safetensors(back)[0]["embed.weight"] == parse_safetensors(src)[0]["embed.weight"]
 
 
@@ -558,14 +525,14 @@ def test_unfuse_after_untie_of_an_adopted_tie_keeps_both_stored_tensors(cli, tmp
     w = np.arange(8, dtype=np.float32).reshape(2, 4)
     src = tmp_path / "dup.safetensors"
     safetensors.numpy.save_file({"a.weight": w, "b.weight": w.copy(), "c.weight": -w}, str(src))
-    rules = write_rules(tmp_path / "cat.toml", 'version = 1\n[[rule]]\nop = "concat"\n'
-                                               'inputs = ["a.weight", "c.weight"]\noutput = "ac.weight"\n')
-    fused, back = tmp_path / "f.safetensors", tmp_path / "u.safetensors"
-    ok(cli("fuse", src, "-r", rules, "--detect-ties", "--untie", "-o", fused))
-    plan = json.loads(json.dumps(parse_safetensors(fused)[1]))["fusectl"]
+    out, _, meta = fused_with(cli, src, tmp_path, 'version = 1\n[[rule]]\nop = "concat"\n'
+                                                  'inputs = ["a.weight", "c.weight"]\noutput = "ac.weight"\n',
+                              "--detect-ties", "--untie", rules="cat.toml", out="f.safetensors")
+    back = tmp_path / "u.safetensors"
+    plan = json.loads(json.dumps(meta))["fusectl"]
     group = json.loads(plan)["plan"][0]
     assert group["untied"] == [["a.weight", "b.weight"]] and group["untied_stored"] == [["a.weight", "b.weight"]]
-    ok(cli("unfuse", fused, "-o", back))
+    ok(cli("unfuse", out, "-o", back))
     tensors, meta = parse_safetensors(back)
     assert sorted(tensors) == ["a.weight", "b.weight", "c.weight"]
     assert "b.weight" not in meta

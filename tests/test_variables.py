@@ -3,15 +3,20 @@ and other vars; every misuse is a RuleError that names the rules file and the va
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from conftest import time_limit
+from conftest import LLAMA, refuse_case
 from fusectl.errors import RuleError
 from fusectl.rules.variables import evaluate, resolve_variables
 
+
 SRC = "rules/attn.toml"
 
-LLAMA = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}
+LLAMA_CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}
 
 
 def test_plain_integers():
@@ -24,7 +29,7 @@ def test_integer_written_as_a_string():
 
 def test_config_lookup():
     got = resolve_variables(
-        {"heads": "config:num_attention_heads", "kv": "config:num_key_value_heads"}, LLAMA, SRC
+        {"heads": "config:num_attention_heads", "kv": "config:num_key_value_heads"}, LLAMA_CONFIG, SRC
     )
     assert got == {"heads": 4, "kv": 2}
 
@@ -37,7 +42,7 @@ def test_spec_example_expressions():
         "q_rows": "heads * head_dim",
         "kv_rows": "kv_heads * head_dim",
     }
-    assert resolve_variables(raw, LLAMA, SRC) == {
+    assert resolve_variables(raw, LLAMA_CONFIG, SRC) == {
         "heads": 4,
         "kv_heads": 2,
         "head_dim": 8,
@@ -56,7 +61,7 @@ def test_vars_may_refer_forward():
 
 def test_config_key_under_the_same_name_as_the_var():
     # "config:hidden_size" asks for the config key, so naming the var after it is natural
-    assert resolve_variables({"hidden_size": "config:hidden_size"}, LLAMA, SRC) == {"hidden_size": 32}
+    assert resolve_variables({"hidden_size": "config:hidden_size"}, LLAMA_CONFIG, SRC) == {"hidden_size": 32}
 
 
 @pytest.mark.parametrize(
@@ -84,14 +89,14 @@ def test_vars_shadow_config_keys_in_expressions():
 
 def test_missing_config_key_names_the_key_and_var():
     with pytest.raises(RuleError) as e:
-        resolve_variables({"heads": "config:num_heads"}, LLAMA, SRC)
+        resolve_variables({"heads": "config:num_heads"}, LLAMA_CONFIG, SRC)
     msg = str(e.value)
     assert SRC in msg and "num_heads" in msg and "heads" in msg
 
 
 def test_missing_config_key_inside_an_expression():
     with pytest.raises(RuleError) as e:
-        resolve_variables({"dim": "config:hidden // 4"}, LLAMA, SRC)
+        resolve_variables({"dim": "config:hidden // 4"}, LLAMA_CONFIG, SRC)
     assert "hidden" in str(e.value) and "dim" in str(e.value)
 
 
@@ -228,3 +233,21 @@ def test_integers_past_64_bits_are_refused_from_every_source():
     with pytest.raises(RuleError, match=r"var 'a'.*64 bits"):
         resolve_variables({"a": "9223372036854775807 + 1"}, None, SRC)
     assert resolve_variables({"a": "9223372036854775807"}, None, SRC) == {"a": 2**63 - 1}
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_sizes_that_do_not_match_config(cli, area, copy_fixture):
+    """llama-qkv's GQA sizes come from config.json; a config that lies is caught at plan time."""
+    src = copy_fixture(LLAMA)
+    config = json.loads((src / "config.json").read_text())
+    config["num_key_value_heads"] = 4
+    (src / "config.json").write_text(json.dumps(config))
+    refuse_case(cli, area, src, "-r", "llama-qkv", needles=["attn-qkv"])
+
+
+def test_missing_config_variable(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    os.remove(src / "config.json")
+    refuse_case(cli, area, src, "-r", "llama-qkv", needles=["num_attention_heads"])

@@ -4,18 +4,21 @@ alone, rules apply in order, and every misfit names the tensor and the rule."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 import fusectl.tensors
+from conftest import LLAMA, llama_tensors, refuse_case, write_rules, write_safetensors
 from fusectl.errors import FusectlError, PlanError
 from fusectl.executor import Evaluation, run_plan
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.planner import make_plan
 from fusectl.rules.inverse import invert_rule, invert_ruleset
 from fusectl.rules.schema import load_rules
+
 
 SRC = "rules/test.toml"
 
@@ -623,3 +626,35 @@ def test_an_output_name_with_an_empty_segment_is_refused(tmp_path):
     with pytest.raises(PlanError) as e:
         make_plan(table, [rs])
     assert "'.w'" in str(e.value) and "'r'" in str(e.value)
+
+
+# --- bad input through the CLI: refused in full (conftest.assert_refused) ----------------
+
+
+def test_missing_tensor_in_binding(cli, area, copy_fixture):
+    tensors = llama_tensors(copy_fixture)
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    ckpt_dir = area / "in" / "partial"
+    ckpt_dir.mkdir()
+    shutil.copy2(area / "in" / "llama-src" / "config.json", ckpt_dir / "config.json")
+    write_safetensors(ckpt_dir / "model.safetensors", tensors, {"format": "pt"})
+    refuse_case(cli, area, ckpt_dir, "-r", "llama-qkv",
+                needles=["attn-qkv", "model.layers.1.self_attn.v_proj.weight"])
+
+
+def test_rule_matching_nothing(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    refuse_case(cli, area, src, "-r", "mixtral-experts", needles=["stack-experts"])
+
+
+def test_output_name_collision(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    rules = write_rules(area / "in" / "clash.toml", """
+version = 1
+[[rule]]
+name = "clash"
+op = "rename"
+input = "lm_head.weight"
+output = "model.embed_tokens.weight"
+""")
+    refuse_case(cli, area, src, "-r", rules, needles=["clash", "model.embed_tokens.weight"])
