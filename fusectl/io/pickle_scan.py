@@ -11,6 +11,13 @@ opcode makes and every result of an allowed call, sized from what the call is gi
 lets a few bytes name a large object again and again, and a call copies what it is given (a
 2 MB pickle can call ``torch.Size`` 400 times on one memoized list of a million numbers:
 gigabytes), so the results are counted, not the opcodes.
+
+The machine (:class:`_Machine`: its state and the checks all opcodes share) runs a table indexed
+by opcode byte. Each family of opcodes is one class whose methods say, by ``@_handles``, which
+opcodes they run: :class:`_Numbers`, :class:`_Strings`, :class:`_Containers`, :class:`_Memo`,
+:class:`_Stack` (MARK, POP, DUP), :class:`_Calls` (globals, REDUCE, BUILD, persistent ids),
+:class:`_Framing` (PROTO, FRAME, STOP) and :class:`_Refused`; a byte no family claims is an
+unknown opcode.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 import pickle
+import pickletools
 import struct
 import sys
 from collections.abc import Mapping
@@ -54,23 +62,6 @@ _SET, _SET_ITEM = 232, 64
 _CALL = 512
 _GLOBAL = 128  # a stand-in the loader may make for each GLOBAL opcode
 _MEMO_SLOT = 16  # the C unpickler's memo is an array that doubles past its largest index
-
-
-# opcodes a state dict never needs that would build arbitrary objects, or read outside the pickle
-_REFUSED_OPCODES = {
-    ord("i"): "INST", ord("o"): "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX",
-    0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", 0x97: "NEXT_BUFFER", 0x98: "READONLY_BUFFER",
-}
-# opcodes that push one scalar and take a fixed-size argument: byte → argument bytes
-_SCALAR_FIXED = {ord("N"): 0, 0x88: 0, 0x89: 0, ord("K"): 1, ord("M"): 2, ord("J"): 4, ord("G"): 8}
-# opcodes that push a string or bytes of counted length: byte → (length bytes, struct format, is text)
-_COUNTED = {
-    ord("X"): (4, "<I", True), 0x8C: (1, "<B", True), 0x8D: (8, "<Q", True),
-    ord("B"): (4, "<I", False), ord("C"): (1, "<B", False), 0x8E: (8, "<Q", False),
-    ord("T"): (4, "<i", False), ord("U"): (1, "<B", False), 0x96: (8, "<Q", False),
-}
-_LINE_SCALARS = {ord("I"), ord("L"), ord("F"), ord("S"), ord("V")}
-_LONG_TEXT = 1 << 10  # strings longer than this never name a global
 
 
 class _Box:
@@ -149,377 +140,605 @@ def scan(data: bytes, pos: int, where: str, complete: bool, allowed: Mapping[str
     ``memory`` (bytes counted for earlier pickles of the same file) plus the bytes of objects
     this one builds.
 
-    A small symbolic run of the pickle machine: the stack holds what each opcode would push
-    (strings as strings, so that STACK_GLOBAL names are known even when fetched from the memo;
-    containers as their item count and nesting depth; long strings as their length; everything
-    else as None). ``allowed`` maps each allowed global to what a call of it builds. Refuses
-    (CheckpointError) a global outside the allow-list, an opcode in _REFUSED_OPCODES, a
-    malformed pickle, and a pickle past a budget. Raises NeedMore when the bytes end before
-    STOP and ``complete`` is false (more of the file may follow).
+    A small symbolic run of the pickle machine (:class:`_Scanner`): the stack holds what each
+    opcode would push (strings as strings, so that STACK_GLOBAL names are known even when
+    fetched from the memo; containers as their item count and nesting depth; long strings as
+    their length; everything else as None). ``allowed`` maps each allowed global to what a call
+    of it builds. Refuses (CheckpointError) a global outside the allow-list, an opcode that
+    builds arbitrary objects (:class:`_Refused`), a malformed pickle, and a pickle past a
+    budget. Raises NeedMore when the bytes end before STOP and ``complete`` is false (more of
+    the file may follow).
+
+    >>> data = pickle.dumps({"w": (1, 2)}, protocol=2)
+    >>> scan(data, 0, "m.pt", True, {})[0] == len(data)
+    True
+    >>> scan(pickle.dumps(print), 0, "m.pt", True, {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    fusectl.errors.CheckpointError: m.pt: the pickle calls 'builtins.print', which fusectl refuses: ...
     """
-    memory_budget = limit("pickle-memory")
-    ops_budget = limit("pickle-opcodes")
-    items_budget = limit("pickle-items")
-    keys_budget = limit("pickle-hash-keys")
-    odd_keys = 0
-    depth_budget = limit("pickle-depth")
-    digits_budget = limit("integer-digits")
-    flat = [_Frozen(1, 1 + n, n) for n in range(4)]  # tuples of 0-3 items that hold nothing sized: never changed
-    end = len(data)
-    stack: list = []
-    push = stack.append
-    marks: list[int] = []
-    memo: list = []  # index → value (_UNSET: not written); a list, so that the scan's own memo stays small
-    fence = 0
-    ops = 0
-    start = pos
+    return _Scanner(data, pos, where, complete, allowed, memory).run()
 
-    def truncated():
-        if not complete:
+
+# ------------------------------------------------------------------------------ the machine's state
+_CODES = {op.name: ord(op.code) for op in pickletools.opcodes}  # opcode name → byte
+_NAMES = {code: name for name, code in _CODES.items()}
+_FLAT = tuple(_Frozen(1, 1 + n, n) for n in range(4))  # tuples of 0-3 items that hold nothing sized: shared
+
+
+def _handles(*names: str):
+    """Marks a method of a family as the handler of the opcodes ``names`` (pickletools' names)."""
+    def mark(method):
+        method.opcodes = names
+        return method
+    return mark
+
+
+class _Machine:
+    """What a scan knows as it goes, and the checks every opcode family shares.
+
+    ``pos`` is the next byte to read (``start`` where the pickle began, ``end`` where the bytes
+    read so far end), ``stack`` and ``marks`` the pickle machine's stack and the stack heights
+    of its open MARKs (``fence``: the innermost, below which no opcode may reach), ``memo`` its
+    memo (index → value, :data:`_UNSET` where not written), ``ops`` the opcodes run so far,
+    ``memory`` the bytes counted, ``odd_keys`` the dict and set keys whose hash a file chooses.
+
+    A handler of an opcode is called as ``handler(machine, op)`` after ``pos`` has moved past
+    the opcode's byte; it reads its argument, moves ``pos`` past it, and returns True only when
+    the pickle is complete (STOP).
+    """
+
+    __slots__ = ("data", "pos", "start", "end", "where", "complete", "allowed", "memory", "stack", "marks",
+                 "memo", "fence", "ops", "odd_keys", "memory_budget", "ops_budget", "items_budget",
+                 "keys_budget", "depth_budget", "digits_budget")
+
+    def __init__(self, data: bytes, pos: int, where: str, complete: bool, allowed: Mapping[str, Builds],
+                 memory: int = 0):
+        self.data, self.pos, self.start, self.end = data, pos, pos, len(data)
+        self.where, self.complete, self.allowed, self.memory = where, complete, allowed, memory
+        self.stack: list = []
+        self.marks: list[int] = []
+        self.memo: list = []  # a list, so that the scan's own memo stays small
+        self.fence = self.ops = self.odd_keys = 0
+        self.memory_budget = limit("pickle-memory")
+        self.ops_budget = limit("pickle-opcodes")
+        self.items_budget = limit("pickle-items")
+        self.keys_budget = limit("pickle-hash-keys")
+        self.depth_budget = limit("pickle-depth")
+        self.digits_budget = limit("integer-digits")
+
+    # -------------------------------------------------------------------------- refusals
+    def truncated(self):
+        if not self.complete:
             raise NeedMore()
-        raise CheckpointError(f"{where}: the pickle ends at byte {end - start} before its STOP opcode; "
-                              "the file is truncated")
+        raise CheckpointError(f"{self.where}: the pickle ends at byte {self.end - self.start} before its STOP "
+                              "opcode; the file is truncated")
 
-    def malformed(what: str):
-        raise CheckpointError(f"{where}: corrupt pickle: {what} at byte {pos - start}; the file is corrupt")
+    def malformed(self, what: str):
+        raise CheckpointError(f"{self.where}: corrupt pickle: {what} at byte {self.pos - self.start}; "
+                              "the file is corrupt")
 
-    def line() -> bytes:
-        nonlocal pos
-        stop = data.find(b"\n", pos)
+    def unknown(self, op: int):
+        """The handler of every byte that is no opcode."""
+        self.malformed(f"unknown opcode 0x{op:02x}")
+
+    # -------------------------------------------------------------------------- budgets
+    def over_memory(self, call: str = "") -> None:
+        if self.memory > self.memory_budget:
+            check_limit("pickle-memory", self.memory, f"{self.where}, by byte {self.pos - self.start}{call}")
+
+    def now_and_then(self) -> None:
+        """The budgets that single opcodes add to in small steps, checked every 65536 opcodes."""
+        if self.ops > self.ops_budget:
+            check_limit("pickle-opcodes", self.ops, self.where)
+        if len(self.stack) > self.items_budget:
+            check_limit("pickle-items", len(self.stack), f"{self.where} (items waiting on the pickle stack)")
+        self.over_memory()
+
+    # -------------------------------------------------------------------------- reading arguments
+    def take(self, n: int) -> int:
+        """Moves past an argument of ``n`` bytes; returns where it starts."""
+        pos = self.pos
+        if pos + n > self.end:
+            self.truncated()
+        self.pos = pos + n
+        return pos
+
+    def line(self) -> bytes:
+        """The argument of a text opcode: the bytes up to the next newline."""
+        stop = self.data.find(b"\n", self.pos)
         if stop < 0:
-            truncated()
-        text = data[pos:stop]
-        pos = stop + 1
+            self.truncated()
+        text = self.data[self.pos:stop]
+        self.pos = stop + 1
         return text
 
-    def pop_mark() -> list:
-        nonlocal fence
+    def need(self, n: int, what: str) -> None:
+        """The stack holds at least ``n`` items above the innermost MARK."""
+        if len(self.stack) - self.fence < n:
+            self.malformed(what)
+
+    # -------------------------------------------------------------------------- the values on the stack
+    def pop_mark(self) -> list:
+        """The items above the innermost MARK, taken off the stack with it."""
+        marks = self.marks
         if not marks:
-            malformed("an opcode that needs a MARK without one")
+            self.malformed("an opcode that needs a MARK without one")
         mark = marks.pop()
+        stack = self.stack
         items = stack[mark:]
         del stack[mark:]
-        fence = marks[-1] if marks else 0
-        if len(items) > items_budget:
-            check_limit("pickle-items", len(items), where)
+        self.fence = marks[-1] if marks else 0
+        if len(items) > self.items_budget:
+            check_limit("pickle-items", len(items), self.where)
         return items
 
-    def over_memory(call: str = ""):
-        if memory > memory_budget:
-            check_limit("pickle-memory", memory, f"{where}, by byte {pos - start}{call}")
-
-    def nesting(items) -> int:
+    def nesting(self, items) -> int:
+        """The nesting depth of a container of ``items``."""
         d = 0
         for x in items:
             if x.__class__ in _NESTED and x.d > d:
                 d = x.d
-        if d >= depth_budget:
-            check_limit("pickle-depth", d + 1, where)
+        if d >= self.depth_budget:
+            check_limit("pickle-depth", d + 1, self.where)
         return d + 1
 
-    def frozen(items) -> _Frozen:
+    def frozen(self, items) -> _Frozen:
+        """A tuple or frozenset of ``items``."""
         w = 1
         for x in items:
             w += x.w if x.__class__ is _Frozen else 1
-        return _Frozen(nesting(items), w, len(items), _extent(items[0]) if items else 0)
+        return _Frozen(self.nesting(items), w, len(items), _extent(items[0]) if items else 0)
 
-    def keyed(keys) -> None:
+    def keyed(self, keys) -> None:
+        """Counts the dict or set keys whose hash the file chooses."""
         # strings and bytes hash with a per-process secret, small integers to themselves: anything else may collide
-        nonlocal odd_keys
         for k in keys:
             if k is not None and k.__class__ is not str and k.__class__ is not _Blob:
-                odd_keys += k.w if k.__class__ is _Frozen else 1
-        if odd_keys > keys_budget:
-            check_limit("pickle-hash-keys", odd_keys, where)
+                self.odd_keys += k.w if k.__class__ is _Frozen else 1
+        if self.odd_keys > self.keys_budget:
+            check_limit("pickle-hash-keys", self.odd_keys, self.where)
 
-    def grow(box, n: int, items) -> None:
+    def grow(self, box, n: int, items) -> None:
+        """``n`` more items (``items``) in the list, dict or set ``box``."""
         if box.__class__ is not _Box:
             return  # not a list, dict or set: the unpickler will refuse to add to it
         box.n += n
-        if box.n > items_budget:
-            check_limit("pickle-items", box.n, where)
-        d = nesting(items)
+        if box.n > self.items_budget:
+            check_limit("pickle-items", box.n, self.where)
+        d = self.nesting(items)
         if d > box.d:
             box.d = d
 
-    def memo_put(index: int) -> None:
-        # the C unpickler sizes its memo by the largest index: a huge one would allocate gigabytes
-        nonlocal memory
-        if index > ops:
-            malformed(f"memo index {index} (only {ops} opcodes so far)")
-        if len(stack) <= fence:
-            malformed("PUT with an empty stack")
-        if index >= len(memo):
-            memory += _MEMO_SLOT * (index + 1 - len(memo))
-            over_memory()
-            memo.extend([_UNSET] * (index + 1 - len(memo)))
-        memo[index] = stack[-1]
 
-    def memo_get(index: int) -> None:
+# ------------------------------------------------------------------------------ the opcode families
+class _Numbers(_Machine):
+    """Opcodes that push a constant or a number."""
+
+    __slots__ = ()
+    # NONE, NEWTRUE, NEWFALSE, BININT1, BININT, BINFLOAT, BININT2: (argument bytes, bytes charged)
+    _FIXED = {0x4E: (0, _NUMBER), 0x88: (0, _NUMBER), 0x89: (0, _NUMBER), 0x4B: (1, 0), 0x4A: (4, 0),
+              0x47: (8, 0), 0x4D: (2, _NUMBER)}
+
+    @_handles("NONE", "NEWTRUE", "NEWFALSE", "BININT1", "BININT2", "BININT", "BINFLOAT")
+    def fixed(self, op: int) -> None:
+        n, charge = self._FIXED[op]
+        self.pos += n
+        if self.pos > self.end:
+            self.truncated()
+        self.memory += charge
+        self.stack.append(_COLLIDABLE if op == 0x47 else None)  # BINFLOAT; the others are small integers
+
+    @_handles("LONG1", "LONG4")
+    def binary_long(self, op: int) -> None:
+        n = 1 if op == 0x8A else 4
+        at = self.take(n)
+        length = int.from_bytes(self.data[at:at + n], "little", signed=op == 0x8B)
+        if length < 0:
+            self.malformed("a negative length")
+        at = self.take(length)
+        digits_budget = self.digits_budget
+        if length * 2.408 > digits_budget:  # 256**length < 10**(2.409 * length)
+            value = int.from_bytes(self.data[at:at + length], "little", signed=True) if length <= 64 else None
+            if value is None or len(str(abs(value))) > digits_budget:
+                check_limit("integer-digits", math.ceil(length * 2.408), f"{self.where}: an integer of {length} bytes")
+        self.memory += _NUMBER + length
+        self.stack.append(None if length < 8 else _COLLIDABLE)
+
+    @_handles("INT", "LONG", "FLOAT")
+    def text_number(self, op: int) -> None:
+        digits = len(self.line().strip(b"-L"))
+        if op != 0x46 and digits > self.digits_budget:
+            check_limit("integer-digits", digits, f"{self.where}: an integer")
+        self.memory += _NUMBER + digits
+        self.stack.append(None if op != 0x46 and digits < 18 else _COLLIDABLE)
+
+
+class _Strings(_Machine):
+    """Opcodes that push a string or bytes. A short string is pushed as itself (it may name a
+    global), a long one, and bytes, as its length."""
+
+    __slots__ = ()
+    # opcode → (length bytes, struct format, is text)
+    _COUNTED = {
+        0x58: (4, "<I", True), 0x8C: (1, "<B", True), 0x8D: (8, "<Q", True),  # BINUNICODE, SHORT_, 8
+        0x42: (4, "<I", False), 0x43: (1, "<B", False), 0x8E: (8, "<Q", False),  # BINBYTES, SHORT_, 8
+        0x54: (4, "<i", False), 0x55: (1, "<B", False), 0x96: (8, "<Q", False),  # BINSTRING, SHORT_, BYTEARRAY8
+    }
+    _LONG_TEXT = 1 << 10  # strings longer than this never name a global
+
+    @_handles("BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
+              "BINSTRING", "SHORT_BINSTRING", "BYTEARRAY8")
+    def counted(self, op: int) -> None:
+        n, fmt, text = self._COUNTED[op]
+        pos = self.take(n)
+        (length,) = struct.unpack_from(fmt, self.data, pos)
+        pos += n
+        if length < 0:
+            self.malformed("a negative length")
+        if pos + length > self.end:
+            if self.complete:
+                self.malformed(f"a string of {length} bytes past the end of the pickle")
+            self.truncated()
+        if text and length <= self._LONG_TEXT:
+            try:
+                value = self.data[pos:pos + length].decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                self.malformed("a string that is not UTF-8")
+            self.memory += sys.getsizeof(value)
+        else:
+            self.memory += _STR + 4 * length if text else _BYTES + length
+            value = _Blob(length)
+            self.over_memory()
+        self.pos = pos + length
+        self.stack.append(value)
+
+    @_handles("STRING", "UNICODE")
+    def text_string(self, op: int) -> None:
+        """No longer than its line (quoted or escaped, so never a name)."""
+        n = len(self.line())
+        self.memory += _STR + 4 * n
+        self.stack.append(_Blob(n))
+        self.over_memory()
+
+
+class _Containers(_Machine):
+    """Opcodes that build a tuple, list, dict, set or frozenset, or add items to one."""
+
+    __slots__ = ()
+
+    @_handles("EMPTY_TUPLE")
+    def empty_tuple(self, op: int) -> None:
+        self.stack.append(_FLAT[0])
+
+    @_handles("TUPLE1", "TUPLE2", "TUPLE3")
+    def small_tuple(self, op: int) -> None:
+        n = op - 0x84
+        self.need(n, "TUPLE with too few items")
+        stack = self.stack
+        items = stack[-n:]
+        del stack[-n:]
+        self.memory += _TUPLE + _TUPLE_ITEM * n
+        if items[0].__class__ is str or items[0].__class__ in _SIZED or any(x.__class__ in _NESTED for x in items):
+            stack.append(self.frozen(items))
+        else:  # the common case (a shape, a stride): a flat tuple, shared
+            stack.append(_FLAT[n])
+
+    @_handles("TUPLE")
+    def tuple(self, op: int) -> None:
+        items = self.pop_mark()
+        self.memory += _TUPLE + _TUPLE_ITEM * len(items)
+        self.stack.append(self.frozen(items))
+
+    @_handles("FROZENSET")
+    def frozenset(self, op: int) -> None:
+        items = self.pop_mark()
+        self.keyed(items)
+        self.memory += _SET + _SET_ITEM * len(items)
+        self.stack.append(self.frozen(items))
+
+    _EMPTY = {0x7D: _DICT, 0x5D: _LIST, 0x8F: _SET}
+
+    @_handles("EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET")
+    def empty(self, op: int) -> None:
+        self.memory += self._EMPTY[op]
+        self.stack.append(_Box(0, 1))
+
+    @_handles("LIST")
+    def list(self, op: int) -> None:
+        items = self.pop_mark()
+        self.memory += _LIST + _LIST_ITEM * len(items)
+        self.stack.append(_Box(len(items), self.nesting(items)))
+
+    @_handles("DICT")
+    def dict(self, op: int) -> None:
+        items = self.pop_mark()
+        self.keyed(items[::2])
+        self.memory += _DICT + _DICT_ITEM * (len(items) // 2)
+        self.stack.append(_Box(len(items) // 2, self.nesting(items)))
+
+    @_handles("APPENDS", "SETITEMS", "ADDITEMS")
+    def add_marked(self, op: int) -> None:
+        items = self.pop_mark()
+        if len(self.stack) <= self.fence:
+            self.malformed("items added to nothing")
+        if op == 0x65:  # APPENDS
+            n, charge = len(items), _LIST_ITEM
+        elif op == 0x75:  # SETITEMS
+            self.keyed(items[::2])
+            n, charge = len(items) // 2, _DICT_ITEM
+        else:  # ADDITEMS
+            self.keyed(items)
+            n, charge = len(items), _SET_ITEM
+        self.memory += n * charge
+        self.grow(self.stack[-1], n, items)
+
+    @_handles("APPEND")
+    def append(self, op: int) -> None:
+        self.need(2, "APPEND with too few items")
+        item = self.stack.pop()
+        self.memory += _LIST_ITEM
+        self.grow(self.stack[-1], 1, (item,))
+
+    @_handles("SETITEM")
+    def setitem(self, op: int) -> None:
+        self.need(3, "SETITEM with too few items")
+        stack = self.stack
+        items = stack[-2:]
+        del stack[-2:]
+        self.keyed(items[:1])
+        self.memory += _DICT_ITEM
+        self.grow(stack[-1], 1, items)
+
+
+class _Memo(_Machine):
+    """Opcodes that write the top of the stack to the memo, or push a value from it."""
+
+    __slots__ = ()
+
+    def put(self, index: int) -> None:
+        # the C unpickler sizes its memo by the largest index: a huge one would allocate gigabytes
+        if index > self.ops:
+            self.malformed(f"memo index {index} (only {self.ops} opcodes so far)")
+        if len(self.stack) <= self.fence:
+            self.malformed("PUT with an empty stack")
+        memo = self.memo
+        if index >= len(memo):
+            self.memory += _MEMO_SLOT * (index + 1 - len(memo))
+            self.over_memory()
+            memo.extend([_UNSET] * (index + 1 - len(memo)))
+        memo[index] = self.stack[-1]
+
+    def get(self, index: int) -> None:
+        memo = self.memo
         value = memo[index] if index < len(memo) else _UNSET
         if value is _UNSET:
-            malformed(f"memo entry {index} read before it was written")
-        push(value)
+            self.malformed(f"memo entry {index} read before it was written")
+        self.stack.append(value)
 
-    def call(func: object, args: object) -> object:
-        """What a REDUCE pushes; its size is counted first."""
-        nonlocal memory
+    @_handles("BINPUT")
+    def binput(self, op: int) -> None:
+        pos = self.pos
+        if pos >= self.end:
+            self.truncated()
+        self.put(self.data[pos])  # a refusal names the index's byte
+        self.pos = pos + 1
+
+    @_handles("LONG_BINPUT")
+    def long_binput(self, op: int) -> None:
+        at = self.take(4)
+        self.put(int.from_bytes(self.data[at:at + 4], "little"))
+
+    @_handles("MEMOIZE")
+    def memoize(self, op: int) -> None:
+        self.put(len(self.memo))
+
+    @_handles("BINGET")
+    def binget(self, op: int) -> None:
+        pos = self.pos
+        if pos >= self.end:
+            self.truncated()
+        self.get(self.data[pos])
+        self.pos = pos + 1
+
+    @_handles("LONG_BINGET")
+    def long_binget(self, op: int) -> None:
+        pos = self.pos
+        if pos + 4 > self.end:
+            self.truncated()
+        self.get(int.from_bytes(self.data[pos:pos + 4], "little"))
+        self.pos = pos + 4
+
+    @_handles("PUT", "GET")
+    def text_memo(self, op: int) -> None:
+        text = self.line()
+        if not text.isdigit() or len(text) > self.digits_budget:
+            self.malformed("a memo index that is not a small number")
+        if op == 0x70:
+            self.put(int(text))
+        else:
+            self.get(int(text))
+
+
+class _Stack(_Machine):
+    """Opcodes that open a MARK or take items off the stack."""
+
+    __slots__ = ()
+
+    @_handles("MARK")
+    def mark(self, op: int) -> None:
+        self.marks.append(len(self.stack))
+        self.fence = len(self.stack)
+
+    @_handles("POP")
+    def pop(self, op: int) -> None:
+        if len(self.stack) > self.fence:
+            self.stack.pop()
+        elif self.marks:
+            self.marks.pop()
+            self.fence = self.marks[-1] if self.marks else 0
+        else:
+            self.malformed("POP with an empty stack")
+
+    @_handles("POP_MARK")
+    def pop_to_mark(self, op: int) -> None:
+        self.pop_mark()
+
+    @_handles("DUP")
+    def dup(self, op: int) -> None:
+        if len(self.stack) <= self.fence:
+            self.malformed("DUP with an empty stack")
+        self.stack.append(self.stack[-1])
+
+
+class _Calls(_Machine):
+    """Opcodes that name a global, call one, set an object's state, or load a persistent id
+    (torch.save's storages): the allow-list is checked here, and what a call builds counted."""
+
+    __slots__ = ()
+
+    def allow(self, module: object, name: object) -> _GlobalRef:
+        if type(module) is not str or type(name) is not str:
+            self.malformed("STACK_GLOBAL without two strings")
+        full = f"{module}.{name}"
+        if full not in self.allowed:
+            raise CheckpointError(
+                f"{self.where}: the pickle calls {quote(full[:200])}, which fusectl refuses: a checkpoint may hold "
+                "only tensors and plain containers, and no code from a checkpoint ever runs; if you trust the file, "
+                "load it with torch and re-save its state dict (torch.save(model.state_dict(), ...))"
+            )
+        return _GlobalRef(self.allowed[full], full)
+
+    def call(self, func: object, args: object) -> object:
+        """What a REDUCE of ``func`` on ``args`` pushes; its size is counted first."""
         builds = func.builds if func.__class__ is _GlobalRef else Builds.OBJECT
         if builds is Builds.OBJECT:
-            memory += _CALL
+            self.memory += _CALL
             return args if args.__class__ is _Frozen else _COLLIDABLE  # nests no deeper than its arguments
         n = args.first if args.__class__ is _Frozen else 0
-        memory += call_bytes(builds, n)
-        over_memory(f" (a call of {quote(func.name[:200])})")
+        self.memory += call_bytes(builds, n)
+        self.over_memory(f" (a call of {quote(func.name[:200])})")
         # what a call returns nests no deeper than its arguments
         d, w = (args.d, args.w) if args.__class__ is _Frozen else (1, 1)
         if builds is Builds.SET or builds is Builds.DICT:
             return _Box(n, d)  # more items may be added
         return _Blob(n) if builds is Builds.BYTES else _Frozen(d, w, n)
 
-    def allow(module: object, name: object) -> _GlobalRef:
-        if type(module) is not str or type(name) is not str:
-            malformed("STACK_GLOBAL without two strings")
-        full = f"{module}.{name}"
-        if full not in allowed:
-            raise CheckpointError(
-                f"{where}: the pickle calls {quote(full[:200])}, which fusectl refuses: a checkpoint may hold only "
-                "tensors and plain containers, and no code from a checkpoint ever runs; if you trust the file, "
-                "load it with torch and re-save its state dict (torch.save(model.state_dict(), ...))"
-            )
-        return _GlobalRef(allowed[full], full)
+    @_handles("GLOBAL")
+    def text_global(self, op: int) -> None:
+        module = self.line().decode("utf-8", "replace")
+        self.memory += _GLOBAL
+        self.stack.append(self.allow(module, self.line().decode("utf-8", "replace")))
 
-    while True:
-        if pos >= end:
-            truncated()
-        op = data[pos]
-        pos += 1
-        ops += 1
-        if not ops & 0xFFFF:  # the costs of single opcodes are small: added up, checked now and then
-            if ops > ops_budget:
-                check_limit("pickle-opcodes", ops, where)
-            if len(stack) > items_budget:
-                check_limit("pickle-items", len(stack), f"{where} (items waiting on the pickle stack)")
-            over_memory()
-        # the most frequent opcodes of a torch.save pickle first
-        if op == 0x71:  # BINPUT
+    @_handles("STACK_GLOBAL")
+    def stack_global(self, op: int) -> None:
+        self.need(2, "STACK_GLOBAL with too few items")
+        stack = self.stack
+        name = stack.pop()
+        self.memory += _GLOBAL
+        stack.append(self.allow(stack.pop(), name))
+
+    @_handles("REDUCE")
+    def reduce(self, op: int) -> None:
+        self.need(2, "REDUCE with too few items")
+        stack = self.stack
+        args = stack.pop()
+        stack[-1] = self.call(stack[-1], args)
+
+    @_handles("BUILD")
+    def build(self, op: int) -> None:
+        self.need(2, "BUILD with too few items")
+        self.stack.pop()
+
+    @_handles("BINPERSID")
+    def binpersid(self, op: int) -> None:
+        if len(self.stack) <= self.fence:
+            self.malformed("BINPERSID with an empty stack")
+        self.memory += _CALL
+        self.stack[-1] = None
+
+    @_handles("PERSID")
+    def persid(self, op: int) -> None:
+        self.line()
+        self.stack.append(None)
+
+
+class _Framing(_Machine):
+    """Opcodes that say the protocol, frame the opcodes that follow, or end the pickle."""
+
+    __slots__ = ()
+
+    @_handles("PROTO")
+    def proto(self, op: int) -> None:
+        pos = self.pos
+        if pos >= self.end:
+            self.truncated()
+        if self.data[pos] > pickle.HIGHEST_PROTOCOL:
+            self.malformed(f"pickle protocol {self.data[pos]}")
+        self.pos = pos + 1
+
+    @_handles("FRAME")
+    def frame(self, op: int) -> None:
+        """A hint: the opcodes inside are scanned as any others."""
+        (length,) = struct.unpack_from("<Q", self.data, self.take(8))
+        if self.pos + length > self.end and self.complete:
+            self.malformed(f"a frame of {length} bytes past the end of the pickle")
+        self.memory += _BYTES + min(length, self.end - self.pos)  # the unpickler reads a frame into a buffer of its own
+
+    @_handles("STOP")
+    def stop(self, op: int) -> bool:
+        if len(self.stack) != 1 or self.marks:
+            self.malformed("STOP with a stack that does not hold exactly one object")
+        if self.ops > self.ops_budget:
+            check_limit("pickle-opcodes", self.ops, self.where)
+        self.over_memory()
+        return True
+
+
+class _Refused(_Machine):
+    """Opcodes a state dict never needs that would build arbitrary objects, or read outside the pickle."""
+
+    __slots__ = ()
+
+    @_handles("INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER")
+    def refuse(self, op: int) -> None:
+        raise CheckpointError(
+            f"{self.where}: the pickle uses opcode {_NAMES[op]} (at byte {self.pos - 1 - self.start}), which "
+            "builds arbitrary objects; a state dict never needs it, and fusectl runs no code from a checkpoint"
+        )
+
+
+_FAMILIES = (_Numbers, _Strings, _Containers, _Memo, _Stack, _Calls, _Framing, _Refused)
+
+
+class _Scanner(*_FAMILIES):
+    """The scan: every family's handlers in one table, indexed by opcode byte."""
+
+    __slots__ = ()
+
+    def run(self) -> tuple[int, int]:
+        """Runs opcodes to STOP; returns where the pickle ends and the memory counted."""
+        table, data, end = _TABLE, self.data, self.end
+        while True:
+            pos = self.pos
             if pos >= end:
-                truncated()
-            memo_put(data[pos])
-            pos += 1
-        elif op == 0x68:  # BINGET
-            if pos >= end:
-                truncated()
-            memo_get(data[pos])
-            pos += 1
-        elif op in _SCALAR_FIXED:
-            pos += _SCALAR_FIXED[op]
-            if pos > end:
-                truncated()
-            if op > 0x4B:  # BININT2, BININT, BINFLOAT (N, K, NEWTRUE, NEWFALSE push shared objects)
-                memory += _NUMBER
-            push(_COLLIDABLE if op == 0x47 else None)  # BINFLOAT; the others are small integers
-        elif op == 0x28:  # MARK
-            marks.append(len(stack))
-            fence = len(stack)
-        elif 0x85 <= op <= 0x87:  # TUPLE1-3
-            n = op - 0x84
-            if len(stack) - fence < n:
-                malformed("TUPLE with too few items")
-            items = stack[-n:]
-            del stack[-n:]
-            memory += _TUPLE + _TUPLE_ITEM * n
-            if items[0].__class__ is str or items[0].__class__ in _SIZED or any(x.__class__ in _NESTED for x in items):
-                push(frozen(items))
-            else:  # the common case (a shape, a stride): a flat tuple, shared
-                push(flat[n])
-        elif op in _COUNTED:
-            n, fmt, text = _COUNTED[op]
-            if pos + n > end:
-                truncated()
-            (length,) = struct.unpack_from(fmt, data, pos)
-            pos += n
-            if length < 0:
-                malformed("a negative length")
-            if pos + length > end:
-                if complete:
-                    malformed(f"a string of {length} bytes past the end of the pickle")
-                truncated()
-            value = None
-            if text and length <= _LONG_TEXT:
-                try:
-                    value = data[pos:pos + length].decode("utf-8", "surrogatepass")
-                except UnicodeDecodeError:
-                    malformed("a string that is not UTF-8")
-                memory += sys.getsizeof(value)
-            else:
-                memory += _STR + 4 * length if text else _BYTES + length
-                value = _Blob(length)
-                over_memory()
-            pos += length
-            push(value)
-        elif op == 0x74:  # TUPLE
-            items = pop_mark()
-            memory += _TUPLE + _TUPLE_ITEM * len(items)
-            push(frozen(items))
-        elif op == 0x91:  # FROZENSET
-            items = pop_mark()
-            keyed(items)
-            memory += _SET + _SET_ITEM * len(items)
-            push(frozen(items))
-        elif op == 0x52:  # REDUCE
-            if len(stack) - fence < 2:
-                malformed("REDUCE with too few items")
-            args = stack.pop()
-            stack[-1] = call(stack[-1], args)
-        elif op == 0x51:  # BINPERSID
-            if len(stack) <= fence:
-                malformed("BINPERSID with an empty stack")
-            memory += _CALL
-            stack[-1] = None
-        elif op == 0x29:  # EMPTY_TUPLE
-            push(flat[0])
-        elif op == 0x72:  # LONG_BINPUT
-            if pos + 4 > end:
-                truncated()
-            index = int.from_bytes(data[pos:pos + 4], "little")
-            pos += 4
-            memo_put(index)
-        elif op == 0x6A:  # LONG_BINGET
-            if pos + 4 > end:
-                truncated()
-            memo_get(int.from_bytes(data[pos:pos + 4], "little"))
-            pos += 4
-        elif op == 0x94:  # MEMOIZE
-            memo_put(len(memo))
-        elif op == 0x70 or op == 0x67:  # PUT, GET (text)
-            text = line()
-            if not text.isdigit() or len(text) > digits_budget:
-                malformed("a memo index that is not a small number")
-            if op == 0x70:
-                memo_put(int(text))
-            else:
-                memo_get(int(text))
-        elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
-            memory += _DICT if op == 0x7D else _LIST if op == 0x5D else _SET
-            push(_Box(0, 1))
-        elif op == 0x6C:  # LIST
-            items = pop_mark()
-            memory += _LIST + _LIST_ITEM * len(items)
-            push(_Box(len(items), nesting(items)))
-        elif op == 0x64:  # DICT
-            items = pop_mark()
-            keyed(items[::2])
-            memory += _DICT + _DICT_ITEM * (len(items) // 2)
-            push(_Box(len(items) // 2, nesting(items)))
-        elif op == 0x65 or op == 0x75 or op == 0x90:  # APPENDS, SETITEMS, ADDITEMS
-            items = pop_mark()
-            if len(stack) <= fence:
-                malformed("items added to nothing")
-            if op != 0x65:
-                keyed(items[::2] if op == 0x75 else items)
-            n = len(items) // 2 if op == 0x75 else len(items)
-            memory += n * (_LIST_ITEM if op == 0x65 else _DICT_ITEM if op == 0x75 else _SET_ITEM)
-            grow(stack[-1], n, items)
-        elif op == 0x61:  # APPEND
-            if len(stack) - fence < 2:
-                malformed("APPEND with too few items")
-            item = stack.pop()
-            memory += _LIST_ITEM
-            grow(stack[-1], 1, (item,))
-        elif op == 0x73:  # SETITEM
-            if len(stack) - fence < 3:
-                malformed("SETITEM with too few items")
-            items = stack[-2:]
-            del stack[-2:]
-            keyed(items[:1])
-            memory += _DICT_ITEM
-            grow(stack[-1], 1, items)
-        elif op == 0x8A or op == 0x8B:  # LONG1, LONG4
-            n = 1 if op == 0x8A else 4
-            if pos + n > end:
-                truncated()
-            length = int.from_bytes(data[pos:pos + n], "little", signed=op == 0x8B)
-            pos += n
-            if length < 0:
-                malformed("a negative length")
-            if pos + length > end:
-                truncated()
-            if length * 2.408 > digits_budget:  # 256**length < 10**(2.409 * length)
-                value = int.from_bytes(data[pos:pos + length], "little", signed=True) if length <= 64 else None
-                if value is None or len(str(abs(value))) > digits_budget:
-                    check_limit("integer-digits", math.ceil(length * 2.408), f"{where}: an integer of {length} bytes")
-            pos += length
-            memory += _NUMBER + length
-            push(None if length < 8 else _COLLIDABLE)
-        elif op in _LINE_SCALARS:
-            text = line()
-            digits = len(text.strip(b"-L"))
-            if op in (0x49, 0x4C) and digits > digits_budget:  # INT, LONG
-                check_limit("integer-digits", digits, f"{where}: an integer")
-            if op in (0x53, 0x56):  # STRING, UNICODE: no longer than its line (quoted or escaped, never a name)
-                memory += _STR + 4 * len(text)
-                push(_Blob(len(text)))
-                over_memory()
-            else:
-                memory += _NUMBER + digits
-                push(None if op != 0x46 and digits < 18 else _COLLIDABLE)
-        elif op == 0x63:  # GLOBAL
-            module = line().decode("utf-8", "replace")
-            memory += _GLOBAL
-            push(allow(module, line().decode("utf-8", "replace")))
-        elif op == 0x93:  # STACK_GLOBAL
-            if len(stack) - fence < 2:
-                malformed("STACK_GLOBAL with too few items")
-            name = stack.pop()
-            memory += _GLOBAL
-            push(allow(stack.pop(), name))
-        elif op == 0x62:  # BUILD
-            if len(stack) - fence < 2:
-                malformed("BUILD with too few items")
-            stack.pop()
-        elif op == 0x50:  # PERSID
-            line()
-            push(None)
-        elif op == 0x30:  # POP
-            if len(stack) > fence:
-                stack.pop()
-            elif marks:
-                marks.pop()
-                fence = marks[-1] if marks else 0
-            else:
-                malformed("POP with an empty stack")
-        elif op == 0x31:  # POP_MARK
-            pop_mark()
-        elif op == 0x32:  # DUP
-            if len(stack) <= fence:
-                malformed("DUP with an empty stack")
-            push(stack[-1])
-        elif op == 0x80:  # PROTO
-            if pos >= end:
-                truncated()
-            if data[pos] > pickle.HIGHEST_PROTOCOL:
-                malformed(f"pickle protocol {data[pos]}")
-            pos += 1
-        elif op == 0x95:  # FRAME (a hint; the opcodes inside are scanned as any others)
-            if pos + 8 > end:
-                truncated()
-            (length,) = struct.unpack_from("<Q", data, pos)
-            pos += 8
-            if pos + length > end and complete:
-                malformed(f"a frame of {length} bytes past the end of the pickle")
-            memory += _BYTES + min(length, end - pos)  # the unpickler reads a frame into a buffer of its own
-        elif op == 0x2E:  # STOP
-            if len(stack) != 1 or marks:
-                malformed("STOP with a stack that does not hold exactly one object")
-            if ops > ops_budget:
-                check_limit("pickle-opcodes", ops, where)
-            over_memory()
-            return pos, memory
-        elif op in _REFUSED_OPCODES:
-            raise CheckpointError(
-                f"{where}: the pickle uses opcode {_REFUSED_OPCODES[op]} (at byte {pos - 1 - start}), which builds "
-                "arbitrary objects; a state dict never needs it, and fusectl runs no code from a checkpoint"
-            )
-        else:
-            malformed(f"unknown opcode 0x{op:02x}")
+                self.truncated()
+            op = data[pos]
+            self.pos = pos + 1
+            ops = self.ops = self.ops + 1
+            if not ops & 0xFFFF:  # the costs of single opcodes are small: added up, checked now and then
+                self.now_and_then()
+            if table[op](self, op):
+                return self.pos, self.memory
+
+
+def _table() -> list:
+    """Handler of each opcode byte: the families' marked methods; :meth:`_Machine.unknown` elsewhere."""
+    table = [_Machine.unknown] * 256
+    for family in _FAMILIES:
+        for method in vars(family).values():
+            for name in getattr(method, "opcodes", ()):
+                table[_CODES[name]] = method
+    return table
+
+
+_TABLE = _table()

@@ -144,92 +144,154 @@ def resolve_shapes(
     """Sizes for every input axis: (shapes of the inputs to make, value of each named dimension).
 
     ``declared`` maps input name to its axes (an int, a dim_param name, or None for an unnamed
-    dynamic axis). A named dimension takes, in order: ``dims`` (``--dim``); the size that an
-    input of ``shapes`` (``--input``) or of ``given`` (``--inputs`` arrays) has on it; a fixed
-    size that ``hints`` (the other model's inputs) has on the same axis; else 2 when it is the
-    first axis of every input that uses it (a batch) and 16 otherwise. An unnamed dynamic axis
-    takes the hint, else 2 on axis 0 and 16 elsewhere. Options that disagree are an error.
+    dynamic axis); ``dims`` are the ``--dim`` sizes, ``shapes`` the ``--input`` shapes, ``given``
+    the shapes of the ``--inputs`` arrays (inputs that are not made) and ``hints`` the other
+    model's inputs. Where a named dimension's size comes from, and which source wins, is
+    :class:`DimensionSizes`. Raises VerifyError for an ``--input`` or ``--dim`` the model does not
+    have, an input given both ways, a shape of the wrong rank or fixed size, and options that
+    disagree.
 
     >>> resolve_shapes({"ids": ("batch", "seq"), "mask": ("batch", "seq")}, shapes={"ids": (3, 8)})
     ({'ids': (3, 8), 'mask': (3, 8)}, {'batch': 3, 'seq': 8})
     """
-    shapes, dims, given, hints = shapes or {}, dims or {}, given or {}, hints or {}
-    unknown = [n for n in shapes if n not in declared]
-    if unknown:
-        raise VerifyError(f"--input {printable(unknown[0])}: {what} has no input named '{printable(unknown[0])}'; "
-                          f"its inputs are {', '.join(map(printable, declared)) or 'none'}")
-    uses: dict[str, list[int]] = {}  # dim name -> the axes it appears on
-    for axes in declared.values():
-        for i, d in enumerate(axes):
-            if isinstance(d, str):
-                uses.setdefault(d, []).append(i)
-    for name in dims:
-        if name not in uses:
-            have = ", ".join(map(printable, uses)) if uses else "none (set whole shapes with --input NAME=D0xD1...)"
-            raise VerifyError(f"--dim {printable(name)}: {what} has no dynamic dimension named '{printable(name)}'; "
-                              f"its named dimensions are {have}")
+    return DimensionSizes(declared, shapes=shapes, dims=dims, given=given, hints=hints, what=what).resolve()
 
-    both = [n for n in shapes if n in given]
-    if both:
-        raise VerifyError(f"--input {printable(both[0])}: --inputs already gives this input; give it one way")
 
-    # name -> (size, who set it, whether an option set it)
-    values: dict[str, tuple[int, str, bool]] = {n: (v, f"--dim {n}={v}", True) for n, v in dims.items()}
+class DimensionSizes:
+    """The size of each named dimension of a model's inputs, from the sources that may give one.
 
-    def bind(name: str, value: int, source: str, from_option: bool) -> None:
-        if name not in values:
-            values[name] = (value, source, from_option)
+    A named dimension (an ONNX dim_param) takes the first size these sources give it, asked in
+    this order, one method each:
+
+    1. :meth:`from_dim_options`: ``--dim NAME=SIZE``;
+    2. :meth:`from_input_options`: the size an ``--input NAME=D0xD1...`` shape has on it;
+    3. :meth:`from_inputs_arrays`: the size an ``--inputs`` array has on it;
+    4. :meth:`from_other_model`: a fixed size the other model's input has on the same axis;
+    5. :meth:`from_defaults`: 2 when it is the first axis of every input that uses it (a batch),
+       16 otherwise.
+
+    A later source that gives a different size is an error when either of the two is an option
+    (1, 2), naming both; arrays that disagree among themselves, and an other model that disagrees
+    with what the user gave, are left to onnxruntime, which names the clash. An unnamed dynamic
+    axis (:meth:`shape_of`) takes the other model's size, else 2 on axis 0 and 16 elsewhere.
+
+    >>> sizes = DimensionSizes({"ids": ("batch", "seq")}, dims={"seq": 8}, hints={"ids": (4, None)})
+    >>> sizes.resolve()
+    ({'ids': (4, 8)}, {'batch': 4, 'seq': 8})
+    >>> sizes.values["batch"]
+    (4, 'the other model', False)
+    """
+
+    def __init__(self, declared: Mapping[str, tuple], *, shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 dims: Mapping[str, int] | None = None, given: Mapping[str, tuple[int, ...]] | None = None,
+                 hints: Mapping[str, tuple] | None = None, what: str = "the model"):
+        self.declared, self.what = declared, what
+        self.shapes, self.dims, self.given, self.hints = shapes or {}, dims or {}, given or {}, hints or {}
+        self.uses: dict[str, list[int]] = {}  # dim name -> the axes it appears on
+        for axes in declared.values():
+            for i, d in enumerate(axes):
+                if isinstance(d, str):
+                    self.uses.setdefault(d, []).append(i)
+        # dim name -> (size, who set it, whether an option set it)
+        self.values: dict[str, tuple[int, str, bool]] = {}
+
+    def resolve(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+        """The shape of each input to make (not those of ``given``) and the size of each named
+        dimension, the sources asked in their order of precedence."""
+        self.check_names()
+        self.from_dim_options()
+        self.from_input_options()
+        self.from_inputs_arrays()
+        self.from_other_model()
+        self.from_defaults()
+        shapes = {name: self.shape_of(name) for name in self.declared if name not in self.given}
+        return shapes, {name: self.values[name][0] for name in self.uses}
+
+    def check_names(self) -> None:
+        """Every ``--input`` and ``--dim`` names what the model has, and no input is given twice."""
+        what, declared, uses = self.what, self.declared, self.uses
+        unknown = [n for n in self.shapes if n not in declared]
+        if unknown:
+            raise VerifyError(f"--input {printable(unknown[0])}: {what} has no input named '{printable(unknown[0])}'; "
+                              f"its inputs are {', '.join(map(printable, declared)) or 'none'}")
+        for name in self.dims:
+            if name not in uses:
+                have = ", ".join(map(printable, uses)) if uses else "none (set whole shapes with --input NAME=D0xD1...)"
+                raise VerifyError(f"--dim {printable(name)}: {what} has no dynamic dimension named "
+                                  f"'{printable(name)}'; its named dimensions are {have}")
+        both = [n for n in self.shapes if n in self.given]
+        if both:
+            raise VerifyError(f"--input {printable(both[0])}: --inputs already gives this input; give it one way")
+
+    def bind(self, name: str, value: int, source: str, from_option: bool) -> None:
+        """Dimension ``name`` is ``value`` by ``source``, unless a source before it set it."""
+        if name not in self.values:
+            self.values[name] = (value, source, from_option)
             return
-        old_value, old_source, old_from_option = values[name]
+        old_value, old_source, old_from_option = self.values[name]
         # arrays of one .npz that disagree among themselves are left to onnxruntime, as before
         if old_value != value and (from_option or old_from_option):
             raise VerifyError(f"{printable(source)} sets dimension '{printable(name)}' to {value}, but "
                               f"{printable(old_source)} sets it to {old_value}; "
                               "give one size per named dimension")
 
-    for name, axes in declared.items():
-        if name in shapes:
-            shape = shapes[name]
-            source = f"--input {name}={_shape_text(shape)}"
-            _check_axes(printable(source), name, axes, shape, what, "give {d} there", "")
-            for d, v in zip(axes, shape):
-                if isinstance(d, str):
-                    bind(d, v, source, from_option=True)
-    for name, axes in declared.items():
-        if name in given and len(given[name]) == len(axes):
-            for d, v in zip(axes, given[name]):
-                if isinstance(d, str):
-                    bind(d, v, f"--inputs array {name}", from_option=False)
-    for name, axes in declared.items():
-        hint = hints.get(name, ())
-        for d, h in zip(axes, hint if len(hint) == len(axes) else ()):
-            if isinstance(d, str) and isinstance(h, int):
-                if d not in values:  # what the user gave wins; onnxruntime then names the clash
-                    values[d] = (h, "the other model", False)
-    for name, axes in uses.items():
-        if name not in values:
-            values[name] = (BATCH_DEFAULT if all(i == 0 for i in axes) else LENGTH_DEFAULT, "default", False)
+    def from_dim_options(self) -> None:
+        """1. ``--dim NAME=SIZE``."""
+        for name, value in self.dims.items():
+            self.bind(name, value, f"--dim {name}={value}", from_option=True)
 
-    resolved = {}
-    for name, axes in declared.items():
-        if name in given:
-            continue
-        if name in shapes:
-            resolved[name] = tuple(shapes[name])
-            continue
-        hint = hints.get(name, ())
+    def from_input_options(self) -> None:
+        """2. ``--input NAME=D0xD1...``: checked against the input's rank and fixed sizes."""
+        for name, axes in self.declared.items():
+            if name in self.shapes:
+                shape = self.shapes[name]
+                source = f"--input {name}={_shape_text(shape)}"
+                _check_axes(printable(source), name, axes, shape, self.what, "give {d} there", "")
+                for d, v in zip(axes, shape):
+                    if isinstance(d, str):
+                        self.bind(d, v, source, from_option=True)
+
+    def from_inputs_arrays(self) -> None:
+        """3. The arrays of ``--inputs`` (one of another rank is left to :func:`_check_given`)."""
+        for name, axes in self.declared.items():
+            if name in self.given and len(self.given[name]) == len(axes):
+                for d, v in zip(axes, self.given[name]):
+                    if isinstance(d, str):
+                        self.bind(d, v, f"--inputs array {name}", from_option=False)
+
+    def from_other_model(self) -> None:
+        """4. A fixed size of the other model's input on the same axis (of an input of the same rank)."""
+        for name, axes in self.declared.items():
+            hint = self.hints.get(name, ())
+            for d, h in zip(axes, hint if len(hint) == len(axes) else ()):
+                if isinstance(d, str) and isinstance(h, int):
+                    if d not in self.values:  # what the user gave wins; onnxruntime then names the clash
+                        self.values[d] = (h, "the other model", False)
+
+    def from_defaults(self) -> None:
+        """5. 2 for a dimension that is the first axis of every input that uses it, else 16."""
+        for name, axes in self.uses.items():
+            if name not in self.values:
+                self.values[name] = (BATCH_DEFAULT if all(i == 0 for i in axes) else LENGTH_DEFAULT, "default", False)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape to make input ``name`` with: its ``--input`` shape, else axis by axis its fixed
+        size, its named dimension's size, or (unnamed) the other model's size, else a default."""
+        if name in self.shapes:
+            return tuple(self.shapes[name])
+        axes = self.declared[name]
+        hint = self.hints.get(name, ())
         shape = []
         for i, d in enumerate(axes):
             if isinstance(d, int):
                 shape.append(d)
             elif isinstance(d, str):
-                shape.append(values[d][0])
+                shape.append(self.values[d][0])
             elif i < len(hint) and isinstance(hint[i], int) and len(hint) == len(axes):
                 shape.append(hint[i])
             else:
                 shape.append(BATCH_DEFAULT if i == 0 else LENGTH_DEFAULT)
-        resolved[name] = tuple(shape)
-    return resolved, {n: values[n][0] for n in uses}
+        return tuple(shape)
 
 
 def declared_arrays(given: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
