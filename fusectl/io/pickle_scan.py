@@ -315,9 +315,10 @@ class _Numbers(_Machine):
     """Opcodes that push a constant or a number."""
 
     __slots__ = ()
-    # NONE, NEWTRUE, NEWFALSE, BININT1, BININT, BINFLOAT, BININT2: (argument bytes, bytes charged)
-    _FIXED = {0x4E: (0, _NUMBER), 0x88: (0, _NUMBER), 0x89: (0, _NUMBER), 0x4B: (1, 0), 0x4A: (4, 0),
-              0x47: (8, 0), 0x4D: (2, _NUMBER)}
+    # (argument bytes, memory charged): None, True, False and BININT1's 0..255 are shared objects
+    # in CPython; BININT2, BININT and BINFLOAT make a new int or float each
+    _FIXED = {0x4E: (0, 0), 0x88: (0, 0), 0x89: (0, 0), 0x4B: (1, 0), 0x4A: (4, _NUMBER),
+              0x47: (8, _NUMBER), 0x4D: (2, _NUMBER)}
 
     @_handles("NONE", "NEWTRUE", "NEWFALSE", "BININT1", "BININT2", "BININT", "BINFLOAT")
     def fixed(self, op: int) -> None:
