@@ -13,7 +13,9 @@ steps: a quantized weight's scales (``fusectl.followers.scales``), a LoRA adapte
 (``fusectl.followers.lora``). The planner binds rules to base weights only; a follower is told
 each step (:meth:`Follower.lift`) and answers with the steps its own tensors take, or refuses.
 The op says what the step does through :class:`Lift` (``Op.lift``), so no follower switches on
-op kinds and no op knows a follower.
+op kinds and no op knows a follower. A :class:`Rider` sits in the table beside its weights and
+the planner asks all of them at once (:class:`Riders`); a :class:`View` stands in for a base
+its checkpoint does not hold. A checkpoint's followers are a :class:`FollowerSet`.
 """
 
 from __future__ import annotations
@@ -104,27 +106,45 @@ class Follower(Protocol):
         """What ``inspect --json`` shows of this follower (None: nothing to show)."""
 
 
-class Riders(Protocol):
-    """What the planner asks of the followers that sit in the table it binds (``make_plan``).
+class Rider(Follower, Protocol):
+    """A follower that sits in the table the rules bind, beside its weights (scales; next,
+    optimizer moments). Configured once per plan, then asked what ``Riders`` asks."""
 
-    Built for one plan from a checkpoint's followers and the rulesets (``FollowerSet.riders``)."""
+    def for_plan(self, rulesets: Sequence[Any] = (), origin: Any = None) -> "Rider":
+        """This follower for a plan of ``rulesets`` (their settings, a rules file's
+        ``[quantization]``, override the checkpoint's), or for binding again a group recorded
+        with ``origin``."""
 
     def claimed(self, names: Iterable[str]) -> set[str]:
-        """Of every name a follower tensor of ``names`` could have, a set: a binding made only
-        of such names is not a binding of its own (the follower moves with its weight)."""
+        """Every name a tensor of this follower beside one of ``names`` would have."""
 
     def complete(self, op: Any) -> Any:
-        """``op`` with what the followers know filled in (a dequantize's block size)."""
+        """``op`` with what this follower knows filled in (a dequantize's block size)."""
+
+    def recorded(self, origin: Any) -> Any:
+        """``origin`` with what binding the rule again needs of this follower (the block size)."""
+
+
+class Riders(Protocol):
+    """What the planner asks of the riders in the table it binds (``make_plan``, ``bind_rule``):
+    every rider of one plan at once (``FollowerSet.riders``)."""
+
+    def claimed(self, names: Iterable[str]) -> set[str]:
+        """Of every name a rider tensor of ``names`` could have, a set: a binding made only of
+        such names is not a binding of its own (the rider moves with its weight)."""
+
+    def complete(self, op: Any) -> Any:
+        """``op`` with what the riders know filled in."""
 
     def recorded(self, origin: Any) -> Any:
         """``origin`` (a ``RuleOrigin``) with what binding the rule again needs recorded."""
 
     def lift(self, steps: Sequence[StepLike], table: TableLike, describe: str) -> list[StepLike]:
-        """One rule's bound ``steps``, each followed by the steps of the followers riding on
-        its inputs (joined before the group is applied: a later rule binds the moved ones)."""
+        """One rule's bound ``steps``, each followed by the steps of the riders on its inputs
+        (joined before the group is applied: a later rule binds the moved ones)."""
 
 
-class View(Protocol):
+class View(Follower, Protocol):
     """A follower whose base is not in its checkpoint (a LoRA adapter): rules bind to a view
     of the base, and the follower's steps replace the base steps."""
 
@@ -149,9 +169,11 @@ class FollowerSet(Protocol):
     view: View | None
 
     def riders(self, rulesets: Sequence[Any] = (), origin: Any = None) -> Riders:
-        """The riders for a plan of ``rulesets`` (their settings, a rules file's
-        ``[quantization]``, override the checkpoint's), or for binding again a group recorded
-        with ``origin``."""
+        """Every rider configured for a plan of ``rulesets``, or for binding again a group
+        recorded with ``origin`` (``Rider.for_plan``)."""
+
+    def of(self, kind: str) -> Follower | None:
+        """The follower of ``kind`` (None when the checkpoint has none)."""
 
     def report(self, kind: str) -> dict | None:
         """The report of the follower of ``kind`` (None when there is none)."""

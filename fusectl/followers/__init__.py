@@ -11,9 +11,8 @@ A checkpoint's followers are detected once, when it is first planned or inspecte
 - A *view* replaces the base (``lora``: an adapter holds A and B, not the base weights): rules
   bind to its base view, and its lifted steps are the plan.
 
-Adding a follower is one module (a class answering ``_protocols.Follower``, and
-``for_plan``/``claimed``/``complete``/``recorded`` for a rider, or ``_protocols.View`` for a
-view) and one row in :data:`KINDS`.
+Adding a follower is one module (a class answering ``_protocols.Rider`` or ``_protocols.View``,
+whose ``lift`` hands each step's op a ``_protocols.Lift``) and one row in :data:`KINDS`.
 """
 
 from __future__ import annotations
