@@ -9,6 +9,7 @@ read and parsed once per opened checkpoint, however many steps ask about the ada
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -17,18 +18,19 @@ import fusectl.io.checkpoint
 import fusectl.tensors
 from conftest import FIXTURES, ok
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.tensors import LazyTensor
+from fusectl.tensors import LazyTensor, TensorSpec
 
 LORA = FIXTURES / "lora"
 LLAMA_CONFIG = str(LORA / "llama-base" / "config.json")
 PHI3_CONFIG = str(LORA / "phi3-base" / "config.json")
 
 
+@dataclass(frozen=True, eq=False)
 class Unreadable(LazyTensor):
     """A tensor that knows its spec and fails when anything reads it."""
 
-    def __init__(self, spec, name):
-        self.spec, self.name = spec, name
+    spec: TensorSpec
+    name: str
 
     def read(self):
         raise AssertionError(f"the plan read the data of {self.name!r}")
