@@ -21,12 +21,11 @@ from typing import Callable, Mapping, Sequence
 
 from .errors import PlanError, quote
 from .executor import run_plan
-from .adapters import ADAPTER_CONFIG, LoraConfig, make_adapter_plan
 from .config_edit import resolve_edits
-from .io.checkpoint import Checkpoint, Companion, adapter_config, open_checkpoint, read_config_text
+from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text
 from .io.output import output_kind
 from .steps import Plan, RuleOrigin
-from .planner import make_plan
+from .planner import bind_and_lift
 from .rules.inverse import InverseProof, invert_with_proof
 from .rules.origin import load_recorded_rules
 from .rules.schema import RuleSet
@@ -106,17 +105,10 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
 
 def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet], untie: bool, *,
           origins: Sequence[RuleOrigin] | None = None, proof: InverseProof | None = None) -> Planned:
-    """Rules bound to a checkpoint's table; to a LoRA adapter's, through its base view.
+    """Rules bound to a checkpoint's table and lifted to its followers (``planner.bind_and_lift``).
     ``origins`` are recorded on the groups; ``proof`` admits the bindings of inverted rules."""
-    adapter = adapter_config(checkpoint)
-    if adapter is None:
-        steps, result = make_plan(table, rulesets, untie, checkpoint.config, origins=origins, proof=proof)
-        return Planned(checkpoint, table, steps, result)
-    where, text, raw = adapter
-    lifted = make_adapter_plan(table, LoraConfig.parse(raw, where), text, rulesets, untie, checkpoint.config,
-                               proof=proof)
-    return Planned(checkpoint, table, lifted.plan, lifted.table, lifted.base)
-
+    bound = bind_and_lift(table, checkpoint.followers, rulesets, untie, origins=origins, proof=proof)
+    return Planned(checkpoint, table, bound.plan, bound.table, bound.base)
 
 
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
@@ -127,12 +119,12 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     out = os.fspath(out)
     new, companions = _edit_config(checkpoint, new, out, on_note)
     recorded = history + new
-    adapter = adapter_config(checkpoint) is not None
-    if adapter and lora_base is not None and checkpoint.provenance and checkpoint.provenance.lora_base:
+    view = checkpoint.followers.view
+    if view is not None and lora_base is not None and checkpoint.provenance and checkpoint.provenance.lora_base:
         lora_base = checkpoint.provenance.lora_base + lora_base
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
                          companions=companions, max_shard_size=max_shard_size, force=force,
-                         progress=progress, on_note=on_note, stem="adapter_model" if adapter else "model",
+                         progress=progress, on_note=on_note, stem=view.stem if view is not None else "model",
                          lora_base=lora_base)
     return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                       len(recorded.steps), table.ties())
@@ -142,8 +134,13 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
     """The plan with each [config] edit's replaced text recorded, and the companions to write
     (the edited config.json in place of the input's)."""
     companions = list(checkpoint.companions)
-    adapter = adapter_config(checkpoint)
-    sources = {"config.json": checkpoint.config_path, ADAPTER_CONFIG: adapter[0] if adapter else None}
+    view = checkpoint.followers.view
+    # the view's config files (adapter_config.json), as read when the checkpoint was opened
+    texts = dict(view.config_files()) if view is not None else {}
+    sources = {"config.json": checkpoint.config_path, **{file: where for file, (where, _) in texts.items()}}
+    for group in plan.groups:  # an edit of a file the checkpoint does not have (a provenance's)
+        if group.config is not None:
+            sources.setdefault(group.config.file, None)
     for file, where in sources.items():
         edits = [g.config for g in plan.groups if g.config is not None and g.config.file == file]
         if not edits:
@@ -154,7 +151,8 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
                         "(give one with --config to edit it)")
             plan = Plan(tuple(g for g in plan.groups if g.config is None or g.config.file != file))
             continue
-        resolved, final = resolve_edits(edits, read_config_text(where), where)
+        text = texts[file][1] if file in texts else read_config_text(where)
+        resolved, final = resolve_edits(edits, text, where)
         it = iter(resolved)
         plan = Plan(tuple(replace(g, config=next(it)) if g.config is not None and g.config.file == file else g
                           for g in plan.groups))
@@ -231,7 +229,7 @@ def _bound_history(checkpoint: Checkpoint) -> Plan | None:
     provenance = checkpoint.provenance
     if provenance is None:
         return None
-    if adapter_config(checkpoint) is not None:
+    if checkpoint.followers.view is not None:
         return provenance.lora_base
     return provenance.plan
 

@@ -16,11 +16,10 @@ import click
 from . import api
 from .version import __version__
 from .errors import FusectlError, printable
-from .adapters import LoraConfig, adapter_report
-from .io.checkpoint import Checkpoint, adapter_config, open_checkpoint, takes_key
+from .io.checkpoint import Checkpoint, open_checkpoint, takes_key
 from .io.provenance import plan_to_json
 from .steps import Plan
-from .quantization import quantization_report, scale_names
+from .followers.scales import scale_names
 from .rules.presets import preset_description, preset_names, preset_text
 from .table import ParamTable
 from .ties import detect_ties
@@ -237,8 +236,8 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
         "config": c.config_path,
         "state_dict_key": c.state_dict_key,
         "ignored": c.ignored,
-        "quantization": quantization_report(c.table, c.config),
-        "adapter": _adapter_report(c),
+        "quantization": c.followers.report("scales"),
+        "adapter": c.followers.report("lora"),
     }
     if detect:
         known = {tuple(g) for g in c.table.ties()}
@@ -279,14 +278,6 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     if c.provenance:
         click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
                    f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
-
-
-def _adapter_report(c: Checkpoint) -> dict | None:
-    adapter = adapter_config(c)
-    if adapter is None:
-        return None
-    where, _, raw = adapter
-    return adapter_report(c.table, LoraConfig.parse(raw, where))
 
 
 def _block_text(quantized: dict) -> str:

@@ -3,19 +3,25 @@
 Each rule binds against the table as the rules before it left it; the executor applies each
 group as it is bound (``executor.apply_group``), so the table the planner ends with is the one
 ``run_plan`` makes from the finished plan.
+
+Rules bind to base weights only. What rides on them (``fusectl.followers``) is asked through
+``_protocols``: the riders' names are no bindings of their own, and each rule's group gets the
+riders' steps before it is applied (``Riders``); a view follower's base is bound instead of its
+table and its lifted steps are the plan (``View``). :func:`bind_and_lift` is the one place
+that does both, for every caller.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import replace
-from typing import Mapping, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol, Sequence
 
+from ._protocols import FollowerSet, Riders
 from .errors import PlanError, RuleError, quote
 from .executor import apply_group
 from .limits import check_limit
 from .steps import Plan, RuleOrigin, Step, StepGroup
-from .quantization import QuantScheme, scale_names, scheme_from, with_scales
 from .rules.schema import Rule, RuleSet
 from .table import ParamTable
 from .tensors import TensorSpec
@@ -32,28 +38,57 @@ class BindingProof(Protocol):
         """The error for a rule that bound tensors of which none was admitted."""
 
 
-def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False,
-              config: Mapping | None = None, *, origins: Sequence[RuleOrigin] | None = None,
+@dataclass(frozen=True)
+class Bound:
+    """Rules bound to a checkpoint and lifted to its followers: the plan, the table running it
+    makes, and for a view follower the plan on its base view the steps were lifted from."""
+
+    plan: Plan
+    table: ParamTable
+    base: Plan | None = None
+
+
+def bind_and_lift(table: ParamTable, followers: FollowerSet, rulesets: Sequence[RuleSet], untie: bool = False, *,
+                  origins: Sequence[RuleOrigin] | None = None, proof: BindingProof | None = None) -> Bound:
+    """Bind ``rulesets`` to ``table`` (a checkpoint's, with its ``followers``), from headers alone.
+
+    The rules bind to the base weights and every rider follower's steps join each group; where
+    a view follower stands in for the base (it holds no base weights), they bind to its base view and the
+    view lifts the base plan to its own tensors. ``origins`` (one per ruleset) are recorded on
+    the groups bound to the table itself; ``proof`` filters the bindings (``unfuse -r``)."""
+    riders = followers.riders(rulesets)
+    view = followers.view
+    if view is None:
+        plan, result = make_plan(table, rulesets, untie, riders, origins=origins, proof=proof)
+        return Bound(plan, result)
+    base, _ = make_plan(view.base_view(table), rulesets, True, riders, proof=proof)
+    plan, result = view.lift_plan(base, table, untie)
+    return Bound(plan, result, base)
+
+
+def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False, riders: Riders | None = None, *,
+              origins: Sequence[RuleOrigin] | None = None,
               proof: BindingProof | None = None) -> tuple[Plan, ParamTable]:
     """Bind ``rulesets`` in order to a copy of ``table``: the plan and the table it makes.
 
-    ``config`` (the checkpoint's config.json) gives the block size of quantized weights' scales,
-    unless a rules file's ``[quantization]`` does. ``origins`` (one per ruleset: its text and
-    the config values its vars read) are recorded on each group with the rule's index, so the
-    provenance says how to bind it again. ``proof`` filters the bindings (``unfuse -r``)."""
+    ``riders`` (``followers.Followers.riders``) are the followers in the table: their tensors
+    move with the weights the rules bind. ``origins`` (one per ruleset: its text and the config
+    values its vars read) are recorded on each group with the rule's index, so the provenance
+    says how to bind it again. ``proof`` filters the bindings (``unfuse -r``)."""
     current = table.copy()
     groups: list[StepGroup] = []
-    scheme = scheme_from(config, [(r.block_size, r.source) for r in rulesets if r.block_size])
     for k, ruleset in enumerate(rulesets):
         origin = origins[k] if origins is not None else None
-        if not ruleset.rules and not ruleset.ties and not ruleset.config and not ruleset.block_size:
-            raise PlanError(f"{ruleset.source}: has no [[rule]], [ties], [config] or [quantization]; it would "
-                            "change nothing. Add rules, or leave it out")
+        empty = ruleset.changes_nothing()
+        if empty:
+            raise PlanError(f"{ruleset.source}: {empty}; it would change nothing. Add rules, or leave it out")
         applied = 0
         for index, rule in enumerate(ruleset.rules):
-            steps = bind_rule(rule, current, scheme, proof)
+            steps = bind_rule(rule, current, riders, proof)
             if steps:
-                recorded = replace(origin, rule=index, block=scheme.block) if origin is not None else None
+                recorded = replace(origin, rule=index) if origin is not None else None
+                if recorded is not None and riders is not None:
+                    recorded = riders.recorded(recorded)
                 groups.append(apply_group(current, StepGroup(rule.name, rule.source, tuple(steps),
                                                              origin=recorded), untie))
                 applied += 1
@@ -67,24 +102,25 @@ def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = Fals
     return Plan(tuple(groups)), current
 
 
-def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme(),
+def bind_rule(rule: Rule, table: ParamTable, riders: Riders | None = None,
               proof: BindingProof | None = None) -> list[Step]:
-    """Concrete steps for one rule against the current table (headers only), followed by the
-    steps that move the scales of the quantized weights it consumes. With ``proof``, only the
-    bindings it admits become steps."""
+    """Concrete steps for one rule against the current table (headers only), each followed by
+    the steps of the ``riders`` on the weights it consumes. With ``proof``, only the bindings
+    it admits become steps."""
     names = table.names()
     steps: list[Step] = []
     left_alone = 0
     bindings = list(_bindings(rule, names, table))
-    # a pattern such as ``q_proj.{t}`` binds a weight and its scales alike: the scales then
-    # move with their weight (below), not as parts of their own
-    scales = scale_names({n for inputs, _ in bindings for n in inputs if n is not None})
+    # a binding made only of rider tensors (a pattern matching a weight and what rides on it
+    # alike) is not one of its own: they move with their weight
+    claimed = riders.claimed(n for inputs, _ in bindings for n in inputs if n is not None) if riders else set()
     for inputs, binding in bindings:
-        if all(n in scales for n in inputs if n is not None):
+        if claimed and all(n in claimed for n in inputs if n is not None):
             continue
         # specs, not just presence: an op may resolve a parameter from them (bn_fold's layer)
         op = rule.op.for_present([table.spec(n) if n is not None else None for n in inputs])
-        op = op.with_block_size(scheme.block)
+        if riders is not None:
+            op = riders.complete(op)
         inputs = [n for n in inputs if n is not None]
         specs = tuple(table.spec(n) for n in inputs)
         for name, spec in zip(inputs, specs):
@@ -110,7 +146,7 @@ def bind_rule(rule: Rule, table: ParamTable, scheme: QuantScheme = QuantScheme()
             f"{rule.describe()} matches nothing: no tensor fits {_first(rule).text!r}"
             f"{_closest_hint(rule.inputs[0].text, names)}. Fix the pattern or set optional = true"
         )
-    return with_scales(steps, table, scheme, rule.describe())
+    return riders.lift(steps, table, rule.describe()) if riders is not None else steps
 
 
 def _bindings(rule: Rule, names: Sequence[str], table: ParamTable):

@@ -127,7 +127,7 @@ def test_a_bug_in_fusectl_exits_70_and_says_to_report_it(cli, copy_fixture, monk
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(fusectl.api, "make_plan", broken)
+    monkeypatch.setattr(fusectl.api, "bind_and_lift", broken)
     src = copy_fixture("tiny-llama-gqa")
     result = cli("plan", src, "-r", "llama-qkv")
     assert result.exit_code == 70

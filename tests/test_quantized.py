@@ -20,7 +20,7 @@ from fusectl.dtypes import BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops.dequantize import Dequantize, expand_scale, scale_grid
 from fusectl.steps import Step
-from fusectl.quantization import QuantScheme, scale_name, scheme_from, with_scales
+from fusectl.followers.scales import QuantScheme, scale_name, scheme_from, with_scales
 from fusectl.table import ParamTable
 from fusectl.tensors import TensorSpec
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError, printable, quote
+from ..followers import Followers, Source, detect
 from ..limits import check_limit
 from ..table import ParamTable
 from ..tensors import LazyTensor
@@ -54,6 +56,14 @@ class Checkpoint:
     # entries of it that are not tensors (ignored)
     state_dict_key: str | None = None
     ignored: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def followers(self) -> Followers:
+        """The tensors riding on this checkpoint's weights (``fusectl.followers``: scales, a LoRA
+        adapter's factors), detected once, when first asked for; ``adapter_config.json`` is read
+        and parsed then, and never again for this checkpoint."""
+        return detect(Source(self.table, self.config, adapter_config(self),
+                             self.provenance.plan if self.provenance else None))
 
     def input_paths(self) -> list[str]:
         """Every path this checkpoint reads from: an output may not overwrite any of them."""

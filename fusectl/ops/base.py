@@ -136,13 +136,10 @@ class Op:
         return self.axis % ndim
 
     def lift(self, lift) -> None:
-        """Say through ``lift`` what this step does to the tensors that follow the weights it
-        consumes — a quantized weight's scales (``fusectl.quantization.ScaleLift``), a LoRA
-        adapter's A and B (``fusectl.adapters.LoraLift``); duck-typed: ``rename()``, ``drop()``,
-        ``along(axis, make)`` for ops moving slabs along one axis (``make(in_lengths,
-        out_lengths)`` is the same op for tensors of those lengths along it), ``stack(axis)``,
-        ``unstack(axis)``, ``transpose(perm)``, ``reshape()``, or ``refuse(why)``. The default
-        refuses: an op that computes on values keeps neither scales nor low-rank factors exact."""
+        """Say through ``lift`` (a ``fusectl._protocols.Lift``) what this step does to the tensors
+        that follow the weights it consumes — a quantized weight's scales, a LoRA adapter's A and
+        B (``fusectl.followers``): call exactly one of its methods. The default refuses: an op
+        that computes on values keeps neither scales nor low-rank factors exact."""
         lift.refuse(f"{self.kind} computes on the weight's values")
 
     def fold_in_graph(self, rewriter, step, values) -> None:

@@ -49,6 +49,12 @@ class RuleSet:
     block_size: tuple[int, int] | None = None  # [quantization] block_size
     config: ConfigEdit | None = None  # [config]: set / remove keys of the output config.json
 
+    def changes_nothing(self) -> str | None:
+        """Why binding this rules file would change nothing (the sections it lacks), or None."""
+        if self.rules or self.ties or self.config or self.block_size:
+            return None
+        return "has no [[rule]], [ties], [config] or [quantization]"
+
 
 def load_rules(
     text: str, source: str, config: Mapping[str, object] | None = None

@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..adapters import LoraConfig, LoraModule, lora_modules
 from ..dtypes import BY_NAME
 from ..executor import Evaluation, walk
-from ..io.checkpoint import Checkpoint, adapter_config
+from ..followers.lora import LoraConfig, LoraModule
+from ..io.checkpoint import Checkpoint
 from ..steps import Plan
 from ..table import ParamTable
 from ..tensors import ArrayTensor, TensorSpec
@@ -28,10 +28,10 @@ def adapter_probes(base: Plan, reference: Checkpoint, candidate: Checkpoint, pro
                    atol: float | None, rtol: float | None) -> list[Check]:
     """One probe per base step whose outputs the candidate holds (every module, not once per
     shape: the modules' updates differ, and each is a few small matrix products)."""
-    ref_lora, cand_lora = (LoraConfig.parse(raw, where) for where, _, raw in
-                           (adapter_config(reference), adapter_config(candidate)))
-    ref_modules = lora_modules(reference.table, ref_lora)
-    cand_modules = lora_modules(candidate.table, cand_lora)
+    ref_adapter, cand_adapter = reference.followers.view, candidate.followers.view
+    ref_lora, cand_lora = ref_adapter.config, cand_adapter.config
+    ref_modules = ref_adapter.modules(reference.table)
+    cand_modules = cand_adapter.modules(candidate.table)
     deltas = ParamTable.from_stored({f"{m}.weight": _delta_tensor(reference.table, info, ref_lora)
                                      for m, info in ref_modules.items()})
     checks = []

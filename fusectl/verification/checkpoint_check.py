@@ -19,17 +19,16 @@ import numpy as np
 
 from ..errors import FusectlError, PlanError, RuleError, VerifyError, printable, quote
 from ..executor import Evaluation, apply_group, is_exact, run_plan
-from ..adapters import LoraConfig, make_adapter_plan
-from ..io.checkpoint import Checkpoint, adapter_config
+from ..io.checkpoint import Checkpoint
 from ..steps import Plan, RuleOrigin, Step, StepGroup
-from ..planner import bind_rule, make_plan
+from ..planner import bind_and_lift, bind_rule
 from ..rules.origin import load_origin
 from ..rules.presets import preset_names, preset_text
 from ..rules.schema import load_rules
 from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
 from .compare import check_tolerance, compare
-from ..quantization import QuantScheme, scheme_from
+from ..followers.scales import scheme_from
 from .adapter_probes import adapter_probes
 from .probes import run_probes
 from .report import Check, VerifyReport
@@ -151,14 +150,12 @@ def verify_checkpoints(
 
 
 def lora_base_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -> Plan | None:
-    """For LoRA adapters, the base plan their steps were lifted from (for the ΔW probes)."""
-    adapter = adapter_config(reference)
-    if adapter is None or adapter_config(candidate) is None:
+    """For view followers (LoRA adapters), the base plan their steps were lifted from (for the
+    ΔW probes); None for other checkpoints."""
+    if reference.followers.view is None or candidate.followers.view is None:
         return None
     if rulesets:
-        where, text, raw = adapter
-        return make_adapter_plan(reference.table, LoraConfig.parse(raw, where), text, rulesets, untie=True,
-                                 config=reference.config).base
+        return bind_and_lift(reference.table, reference.followers, rulesets, untie=True).base
     base = candidate.provenance.lora_base if candidate.provenance else None
     done = reference.provenance.lora_base if reference.provenance else None
     if base is not None and done is not None and base.groups[:len(done.groups)] == done.groups:
@@ -169,13 +166,7 @@ def lora_base_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoi
 def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -> Plan:
     """The plan to check: the candidate's provenance, or the rules given with -r."""
     if rulesets:
-        adapter = adapter_config(reference)
-        if adapter is not None:
-            where, text, raw = adapter
-            return make_adapter_plan(reference.table, LoraConfig.parse(raw, where), text, rulesets, untie=True,
-                                     config=reference.config).plan
-        plan, _ = make_plan(reference.table, rulesets, untie=True, config=reference.config)
-        return plan
+        return bind_and_lift(reference.table, reference.followers, rulesets, untie=True).plan
     if candidate.provenance is None or not candidate.provenance.plan.groups:
         raise VerifyError(f"{candidate.path}: no fusectl provenance; pass -r RULES to say how it was made")
     plan = candidate.provenance.plan
@@ -219,21 +210,21 @@ def _rederive(group: StepGroup, table: ParamTable, reference: Checkpoint, adapte
         return False, None, f"the recorded rules do not load: {e}"
     if isinstance(found, str):
         return False, None, f"not re-derived: {found}"
-    for rule, origin, scheme, what in found:
-        passed, _, detail = _rederive_from(group, table, reference, rule, origin, scheme)
+    for rule, origin, riders, what in found:
+        passed, _, detail = _rederive_from(group, table, reference, rule, origin, riders)
         if not passed:
             return False, None, f"{what}: {detail}"
     return True, None, f"{len(group.steps)} step(s) re-derived from {' and '.join(w for *_, w in found)}"
 
 
 def _rederive_from(group: StepGroup, table: ParamTable, reference: Checkpoint, rule, origin: RuleOrigin,
-                   scheme) -> tuple[bool, None, str]:
+                   riders) -> tuple[bool, None, str]:
     """(passed, None, detail): whether ``rule`` bound on ``table`` gives the group's steps."""
     disagreeing = _config_disagreement(origin, reference)
     if disagreeing:
         return False, None, disagreeing
     try:
-        steps = bind_rule(rule, table, scheme)
+        steps = bind_rule(rule, table, riders)
     except FusectlError as e:
         return False, None, f"the recorded rule does not bind to the reference: {e}"
     for k, (got, want) in enumerate(zip(steps, group.steps)):
@@ -247,7 +238,7 @@ def _rederive_from(group: StepGroup, table: ParamTable, reference: Checkpoint, r
 
 
 def _recorded_rules(group: StepGroup, reference: Checkpoint):
-    """[(rule, origin, scheme, what)] to re-derive a group from: the rules text it records and,
+    """[(rule, origin, riders, what)] to re-derive a group from: the rules text it records and,
     when it names a shipped preset whose text that is not, the preset as shipped; or why there
     is nothing to re-derive it from."""
     found = []
@@ -256,7 +247,7 @@ def _recorded_rules(group: StepGroup, reference: Checkpoint):
         ruleset = load_origin(origin, group.source)
         if origin.rule >= len(ruleset.rules) or ruleset.rules[origin.rule].name != group.rule:
             raise RuleError(f"{group.source} has no rule {quote(group.rule)} at index {origin.rule}")
-        found.append((ruleset.rules[origin.rule], origin, QuantScheme(origin.block, "the provenance"),
+        found.append((ruleset.rules[origin.rule], origin, reference.followers.riders(origin=origin),
                       "the recorded rule"))
     preset = group.source[len("preset "):] if group.source.startswith("preset ") else None
     if preset is not None and preset in preset_names() and (origin is None or origin.text != preset_text(preset)):
@@ -272,7 +263,7 @@ def _recorded_rules(group: StepGroup, reference: Checkpoint):
 
 
 def _shipped_rule(group: StepGroup, preset: str, reference: Checkpoint):
-    """(rule, origin, scheme, what) of the shipped preset a group names, or why it cannot be read."""
+    """(rule, origin, riders, what) of the shipped preset a group names, or why it cannot be read."""
     try:
         ruleset = load_rules(preset_text(preset), group.source, reference.config)
     except RuleError as e:
@@ -280,8 +271,8 @@ def _shipped_rule(group: StepGroup, preset: str, reference: Checkpoint):
     index = next((k for k, r in enumerate(ruleset.rules) if r.name == group.rule), None)
     if index is None:
         return f"the provenance names preset {preset}, which has no rule {quote(group.rule)}"
-    scheme = scheme_from(reference.config, [(ruleset.block_size, ruleset.source)] if ruleset.block_size else [])
-    return ruleset.rules[index], RuleOrigin(preset_text(preset), index), scheme, f"preset {preset} as shipped"
+    riders = reference.followers.riders([ruleset])
+    return ruleset.rules[index], RuleOrigin(preset_text(preset), index), riders, f"preset {preset} as shipped"
 
 
 def _config_disagreement(origin: RuleOrigin, reference: Checkpoint) -> str:

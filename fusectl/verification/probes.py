@@ -23,7 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..executor import Evaluation, walk
 from ..ops.dequantize import expand_scale, scale_grid
-from ..quantization import QuantScheme, scale_step_of
+from ..followers.scales import QuantScheme, scale_step_of
 from ..steps import Plan, Step
 from ..table import ParamTable
 from ..tensors import TensorSpec
@@ -181,7 +181,7 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
                scheme: QuantScheme = QuantScheme()) -> tuple[list[Check], str]:
     """One probe per distinct (op, specs); returns the checks and the provider used.
 
-    A step of quantized weights whose scales move beside it (``with_scales``) is probed once
+    A step of quantized weights whose scales move beside it (``followers.scales``) is probed once
     more on the dequantized tensors: w · s of each part against w · s of the fused weight,
     un-fused in ONNX, so a scale moved apart from its rows changes the layer's output."""
     chosen = resolve_provider(provider)

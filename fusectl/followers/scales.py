@@ -1,13 +1,14 @@
-"""Quantized weights: a weight's scales move with it through every layout rule, or the rule stops.
+"""Scales follow their quantized weights through every layout rule, or the rule stops.
 
 A weight ``X.weight`` is quantized when the table holds one of its *scales*:
 ``X.weight_scale_inv`` (block scales: DeepSeek-V3, Qwen3-FP8, transformers ``fp8``),
 ``X.weight_scale`` (compressed-tensors / ModelOpt: per tensor, per channel or per block) or
 ``X.input_scale`` (a static activation scale). A weight not named ``….weight`` (a stacked
 ``experts.w1``) has ``experts.w1_scale_inv``, ``experts.w1_scale``, ``experts.w1_input_scale``.
-Rules are written for weights; :func:`with_scales` derives the steps their scales take from
-each step's op (``Op.lift``): the same op on the scale grid where whole blocks move to
-whole blocks, one scale for all where per-tensor scales are equal, refused otherwise.
+Rules are written for weights; :class:`Scales` (a rider follower, ``_protocols.Follower``)
+derives the steps their scales take from each step's op (``Op.lift`` with a :class:`ScaleLift`):
+the same op on the scale grid where whole blocks move to whole blocks (``slabs.moved_ids``
+proves it), one scale for all where per-tensor scales are equal, refused otherwise.
 
 A consumed tensor with any other scale-like companion (``weight_zero_point``, GPTQ/AWQ
 ``qzeros``/``scales``/``g_idx``, MXFP4 ``*_scales`` beside ``*_blocks``) stops the rule:
@@ -18,18 +19,19 @@ weights loads and computes garbage.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
-from .errors import PlanError, quote
-from .ops import Op
-from .ops.dequantize import Grid, scale_grid
-from .ops.layout import Drop, MergeEqual, Rename, Replicate, Stack, Transpose, Unstack
-from .steps import Step
-from .table import ParamTable
-from .tensors import TensorSpec
+from ..errors import PlanError, quote
+from ..ops import Op
+from ..ops.dequantize import Grid, scale_grid
+from ..ops.layout import Drop, MergeEqual, Rename, Replicate, Stack, Transpose, Unstack
+from ..steps import RuleOrigin, Step
+from ..table import ParamTable
+from ..tensors import TensorSpec
+from .slabs import moved_ids
 
 # the scales fusectl moves: role → how the scale's name is made from the weight's
 ROLES = ("weight_scale_inv", "weight_scale", "input_scale")
@@ -199,20 +201,69 @@ class _Modules:
         return out
 
 
-def with_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, describe: str) -> list[Step]:
-    """One rule's steps (bound to ``table``), each followed by the steps the scales of the
-    quantized weights it consumes take; a PlanError naming the weight, the scale and why when
-    they cannot follow exactly, or when a consumed tensor has a scale-like companion fusectl
-    does not know."""
-    consumed = {n for step in steps for n in step.inputs}
-    modules: _Modules | None = None
-    lifted: list[Step] = []
-    for step in steps:
-        lifted.append(step)
-        scales = {name: scales_of(table, name, scheme) for name in step.inputs}
+class Scales:
+    """The scales of a checkpoint's quantized weights, as a follower (``_protocols.Follower``)
+    riding in the table the rules bind: every checkpoint has one, since any weight a rule
+    consumes may have scales beside it (found by name on the table as earlier rules left it).
+
+    ``scheme`` (the block size of block scales) is read from ``config.json`` when first needed
+    (a malformed one is an error only for a plan that needs it); :meth:`for_plan` gives the
+    scales for one plan, whose rules file's ``[quantization]`` may set it instead.
+    """
+
+    kind = "scales"
+
+    def __init__(self, config: Mapping | None = None, table: ParamTable | None = None,
+                 scheme: QuantScheme | None = None):
+        self._config, self._table, self._scheme = config, table, scheme
+        self._modules: tuple[object, _Modules | None] | None = None  # (group, its table's modules)
+
+    @classmethod
+    def detect(cls, table: ParamTable, config: Mapping | None) -> "Scales":
+        return cls(config, table)
+
+    @property
+    def scheme(self) -> QuantScheme:
+        if self._scheme is None:
+            self._scheme = scheme_from(self._config)
+        return self._scheme
+
+    def for_plan(self, rulesets: Sequence = (), origin: RuleOrigin | None = None) -> "Scales":
+        """The scales for a plan of ``rulesets`` (the first ``[quantization]`` block size wins
+        over config.json's), or for binding again a group recorded with ``origin`` (its block)."""
+        if origin is not None:
+            return Scales(scheme=QuantScheme(origin.block, "the provenance"))
+        return Scales(scheme=scheme_from(self._config, [(r.block_size, r.source) for r in rulesets if r.block_size]))
+
+    # --- what the planner asks (``_protocols.Riders``) ------------------------------------
+
+    def claimed(self, names: Iterable[str]) -> set[str]:
+        """Every name a scale of one of ``names`` would have (a pattern such as ``q_proj.{t}``
+        binds a weight and its scales alike: the scales then move with their weight)."""
+        return scale_names(set(names))
+
+    def complete(self, op: Op) -> Op:
+        return op.with_block_size(self.scheme.block)
+
+    def recorded(self, origin: RuleOrigin) -> RuleOrigin:
+        return replace(origin, block=self.scheme.block)
+
+    # --- the follower contract -------------------------------------------------------------
+
+    def claims(self, weight: str, table: ParamTable) -> list[str]:
+        return [name for role in ROLES if (name := scale_name(weight, role)) != weight and name in table]
+
+    def report(self) -> dict | None:
+        return quantization_report(self._table, self._config) if self._table is not None else None
+
+    def lift(self, step: Step, group: Sequence[Step], table: ParamTable, describe: str) -> list[Step]:
+        """The steps the scales of the quantized weights ``step`` consumes take; a PlanError
+        naming the weight, the scale and why when they cannot follow exactly, or when a consumed
+        tensor has a scale-like companion fusectl does not know."""
+        consumed = {n for s in group for n in s.inputs}
+        scales = {name: scales_of(table, name, self.scheme) for name in step.inputs}
         known = {s.name for found in scales.values() for s in found} | consumed
-        if modules is None and table.entries:
-            modules = _Modules(table.names())
+        modules = self._modules_of(group, table)
         for name in step.inputs:
             unknown = modules.unknown_scales(name, known) if modules else []
             if unknown:
@@ -221,16 +272,29 @@ def with_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, d
                     f"fusectl does not know how to move with it (it moves weight_scale_inv, weight_scale "
                     f"and input_scale); the rule would leave it behind. Dequantize the model first, "
                     f"or leave this tensor out of the rule")
+        lifted: list[Step] = []
         for role in ROLES:
             present = [next((s for s in scales[n] if s.role == role), None) for n in step.inputs]
             if not any(present):
                 continue
             if any(p is not None and p.name in consumed for p in present):
                 continue  # the rule moves this scale itself (dequantize's scale, an explicit rule)
-            lift = ScaleLift(step, role, present, scheme, describe)
+            lift = ScaleLift(step, role, present, self.scheme, describe)
             step.op.lift(lift)
             lifted.extend(lift.steps)
-    return lifted
+        return lifted
+
+    def _modules_of(self, group: Sequence[Step], table: ParamTable) -> "_Modules | None":
+        """The table's names by module, grouped once per rule (a table of 10^6 names)."""
+        if self._modules is None or self._modules[0] is not group:
+            self._modules = (group, _Modules(table.names()) if table.entries else None)
+        return self._modules[1]
+
+
+def with_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, describe: str) -> list[Step]:
+    """One rule's steps (bound to ``table``), each followed by the steps its scales take."""
+    scales = Scales(scheme=scheme)
+    return [lifted for step in steps for lifted in (step, *scales.lift(step, steps, table, describe))]
 
 
 class ScaleLift:
@@ -264,7 +328,7 @@ class ScaleLift:
 
     # --- what an op may say --------------------------------------------------------------
 
-    def refuse(self, why: str) -> None:
+    def refuse(self, why: str) -> NoReturn:
         s = self.scales[0]
         weight = self.step.inputs[self._present.index(s)]
         if "fp8-dequant" not in why:
@@ -412,15 +476,3 @@ class ScaleLift:
         self.refuse(f"{detail}. Dequantize first (-r fp8-dequant), or use a layout whose parts "
                     f"fill whole blocks of {g}")
 
-
-def moved_ids(op: Op, lengths: Sequence[int], axis: int, ndim: int) -> list[np.ndarray]:
-    """Where ``op`` moves the slabs of its inputs (of ``lengths`` along ``axis``): for each
-    output, the ids of the slabs it holds, numbered across the inputs in order."""
-    return op.apply([_ids(ndim, axis, n, start) for n, start in zip(lengths, np.cumsum([0, *lengths]))])
-
-
-def _ids(ndim: int, axis: int, length: int, start: int) -> np.ndarray:
-    """Ids ``start .. start+length-1`` laid along ``axis`` of an ``ndim``-dimensional array."""
-    shape = [1] * ndim
-    shape[axis] = length
-    return (np.arange(length, dtype=np.int64) + int(start)).reshape(shape)

@@ -5,14 +5,18 @@ adapted module ``m``, ``base_model.model.m.lora_A.weight`` [r, in] and ``….lor
 [out, r]; the module's weight changes by ΔW = s · B · A with s = alpha / r (alpha / √r with
 ``use_rslora``), r and alpha per module from ``rank_pattern`` / ``alpha_pattern``.
 
-Rules are written for base weights ``m.weight``. :func:`make_adapter_plan` binds them to a
-*base view* of the adapter (one name-and-shape-only ``m.weight`` [out, in] per adapted module),
-then lifts each base step to the adapter through its op (``Op.lift`` with a :class:`LoraLift`):
+Rules are written for base weights ``m.weight``. An adapter folder's :class:`LoraAdapter` is a
+*view* follower (``_protocols.View``): the planner binds the rules to its *base view* (one
+name-and-shape-only ``m.weight`` [out, in] per adapted module, ``base_view``), then the adapter
+lifts each base step through its op (``Op.lift`` with a :class:`LoraLift`):
 
 - rename / drop: A and B renamed / dropped;
 - concat of weights along the output axis: A' = the As stacked along the rank axis, B' = the
-  Bs block-diagonal (rank Σr); when every part has the same A (the adapter came from a fused
-  one), A' = A and B' = the Bs concatenated (rank r);
+  Bs block-diagonal (rank Σr); when the parts share one A — one tensor in the table (tied), or
+  made by one ``replicate`` step of the recorded provenance that no later step touched (the
+  adapter came from a fused one) — A' = A and B' = the Bs concatenated (rank r). Both are
+  facts of the headers and the provenance: planning reads no tensor data, and the merge checks
+  the As are equal when it runs (a lying provenance is an error, not a wrong adapter);
 - split along the output axis: A copied to every part, B split by rows (exact for any adapter);
 - row permutations (reorder, interleave of one input, deinterleave, rope_permute): on B's rows;
 - along the input axis, the mirror image (A block-diagonal or split by columns, B side by side);
@@ -30,19 +34,17 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NoReturn, Sequence
 
-from .config_edit import ConfigEdit
-from .errors import CheckpointError, PlanError, quote
-from .executor import OpaqueTensor, apply_group
-from .ops import Op
-from .ops.layout import BlockDiagonal, Concat, Drop, MergeEqual, Rename, Replicate, Transpose
-from .steps import Plan, Step, StepGroup
-from .planner import make_plan
-from .quantization import moved_ids
-from .rules.schema import RuleSet
-from .table import ParamTable
-from .tensors import TensorSpec
+from ..config_edit import ConfigEdit
+from ..errors import CheckpointError, PlanError, quote
+from ..executor import OpaqueTensor, apply_group
+from ..ops import Op
+from ..ops.layout import BlockDiagonal, Concat, Drop, MergeEqual, Rename, Replicate, Transpose
+from ..steps import Plan, Step, StepGroup
+from ..table import ParamTable
+from ..tensors import TensorSpec
+from .slabs import moved_ids
 
 ADAPTER_CONFIG = "adapter_config.json"
 PREFIX = "base_model.model."
@@ -200,41 +202,114 @@ def base_view(table: ParamTable, modules: Mapping[str, LoraModule]) -> ParamTabl
     return ParamTable.from_stored(view)
 
 
-@dataclass(frozen=True)
-class AdapterPlan:
-    """The steps on the adapter's tensors, the base plan they were lifted from (on ``m.weight``
-    names), and the adapter table the steps make."""
+class LoraAdapter:
+    """A PEFT LoRA adapter folder as a follower (``_protocols.Follower`` and ``View``): its
+    ``adapter_config.json`` read once when the checkpoint opened, parsed when first needed."""
 
-    plan: Plan
-    base: Plan
-    table: ParamTable
+    kind = "lora"
+    stem = "adapter_model"  # written as adapter_model.safetensors
+
+    def __init__(self, where: str, text: str, raw: dict, table: ParamTable, history: Plan | None = None):
+        self.where, self.text, self.raw, self._table = where, text, raw, table
+        self._history = history
+        self._config: LoraConfig | None = None
+        self._lifting: _Lifting | None = None
+
+    @classmethod
+    def detect(cls, table: ParamTable, adapter_config: tuple[str, str, dict] | None,
+               history: Plan | None) -> "LoraAdapter | None":
+        """The adapter of a folder whose ``adapter_config`` is (path, text, parsed object)."""
+        return None if adapter_config is None else cls(*adapter_config, table, history)
+
+    @property
+    def config(self) -> LoraConfig:
+        if self._config is None:
+            self._config = LoraConfig.parse(self.raw, self.where)
+        return self._config
+
+    def modules(self, table: ParamTable) -> dict[str, LoraModule]:
+        """The adapted modules of ``table`` (this adapter's, or one a plan made of it)."""
+        return lora_modules(table, self.config)
+
+    # --- the follower contract -------------------------------------------------------------
+
+    def claims(self, weight: str, table: ParamTable) -> list[str]:
+        module = lora_modules(table, self.config).get(weight[: -len(".weight")] if weight.endswith(".weight") else "")
+        return [] if module is None else [module.a, module.b]
+
+    def report(self) -> dict:
+        return adapter_report(self._table, self.config)
+
+    def lift(self, step: Step, group: Sequence[Step], table: ParamTable, describe: str) -> list[Step]:
+        """The steps A and B take for one base ``step`` (on the base view's ``m.weight``
+        names), on ``table``, the adapter as the steps before left it."""
+        if self._lifting is None or self._lifting.table is not table:
+            self._lifting = _Lifting(table, self.modules(table), self._history)
+        return self._lifting.lift(step, self.config, describe)
+
+    # --- the view ------------------------------------------------------------------------
+
+    def base_view(self, table: ParamTable) -> ParamTable:
+        return base_view(table, self.modules(table))
+
+    def config_files(self) -> dict[str, tuple[str, str]]:
+        return {ADAPTER_CONFIG: (self.where, self.text)}
+
+    def lift_plan(self, base: Plan, table: ParamTable, untie: bool) -> tuple[Plan, ParamTable]:
+        """The ``base`` plan (bound to the base view) lifted to A and B, on a copy of ``table``;
+        the last group rewrites ``adapter_config.json`` (target_modules, rank_pattern,
+        alpha_pattern)."""
+        current = table.copy()
+        self._lifting = lifting = _Lifting(current, self.modules(table), self._history)
+        groups: list[StepGroup] = []
+        for group in base.groups:
+            if not group.steps:
+                continue  # a rules file's [config] edits the base's config.json, not the adapter's
+            steps = [s for step in group.steps for s in self.lift(step, group.steps, current, group.describe())]
+            groups.append(apply_group(current, StepGroup(group.rule, group.source, tuple(steps)), untie))
+            lifting.made(steps)
+        edit = _config_edit(self.config, self.text, lifting.modules)
+        if edit is not None:
+            groups.append(StepGroup("adapter_config", ADAPTER_CONFIG, (), config=edit))
+        self._lifting = None
+        return Plan(tuple(groups)), current
 
 
-def make_adapter_plan(table: ParamTable, lora: LoraConfig, config_text: str, rulesets: Sequence[RuleSet],
-                      untie: bool = False, config: Mapping | None = None, proof=None) -> AdapterPlan:
-    """Bind ``rulesets`` to the adapter's base view and lift each step to A and B; the last group
-    rewrites ``adapter_config.json`` (target_modules, rank_pattern, alpha_pattern). ``proof``
-    admits the base view's bindings (``unfuse -r``, ``planner.BindingProof``)."""
-    modules = lora_modules(table, lora)
-    base_plan, _ = make_plan(base_view(table, modules), rulesets, untie=True, config=config, proof=proof)
-    current = table.copy()
-    groups: list[StepGroup] = []
-    for group in base_plan.groups:
-        if not group.steps:
-            continue  # a rules file's [config] edits the base's config.json, not the adapter's
-        steps: list[Step] = []
-        for step in group.steps:
-            lift = LoraLift(step, current, modules, lora, group.describe())
-            step.op.lift(lift)
-            steps.extend(lift.steps)
-            for module in lift.consumed:
-                modules.pop(module, None)
-            modules.update(lift.produced)
-        groups.append(apply_group(current, StepGroup(group.rule, group.source, tuple(steps)), untie))
-    edit = _config_edit(lora, config_text, modules)
-    if edit is not None:
-        groups.append(StepGroup("adapter_config", ADAPTER_CONFIG, (), config=edit))
-    return AdapterPlan(Plan(tuple(groups)), base_plan, current)
+class _Lifting:
+    """The state of lifting one plan: the adapted modules as the steps so far left them, and
+    which step last made each adapter tensor (the recorded provenance's, then this plan's)."""
+
+    def __init__(self, table: ParamTable, modules: Mapping[str, LoraModule], history: Plan | None):
+        self.table = table
+        self.modules = dict(modules)
+        self.makers: dict[str, Step] = {}
+        self.made(history.steps if history is not None else ())
+
+    def made(self, steps: Sequence[Step]) -> None:
+        for step in steps:
+            for name in step.inputs:
+                self.makers.pop(name, None)
+            for name in step.outputs:
+                self.makers[name] = step
+
+    def shared(self, names: Sequence[str]) -> bool:
+        """Whether ``names`` hold one factor, as the headers and the provenance say: one tensor
+        in the table (tied), or the outputs of one recorded ``replicate`` step that no later
+        step touched. No tensor data is read (SPEC §1); the merge checks equality when it runs."""
+        first = self.table[names[0]]
+        if all(self.table[n] is first for n in names):
+            return True
+        makers = {id(self.makers.get(n)) for n in names}
+        maker = self.makers.get(names[0])
+        return len(makers) == 1 and maker is not None and isinstance(maker.op, Replicate)
+
+    def lift(self, step: Step, lora: LoraConfig, describe: str) -> list[Step]:
+        lift = LoraLift(step, self.table, self.modules, lora, describe, self.shared)
+        step.op.lift(lift)
+        for module in lift.consumed:
+            self.modules.pop(module, None)
+        self.modules.update(lift.produced)
+        return lift.steps
 
 
 def _config_edit(lora: LoraConfig, text: str, modules: Mapping[str, LoraModule]) -> ConfigEdit | None:
@@ -268,8 +343,9 @@ class LoraLift:
     """What one base step does to the A and B of the modules it consumes (``Op.lift``)."""
 
     def __init__(self, step: Step, table: ParamTable, modules: Mapping[str, LoraModule], lora: LoraConfig,
-                 describe: str):
+                 describe: str, shared: Callable[[Sequence[str]], bool]):
         self.step, self.table, self.lora, self.describe = step, table, lora, describe
+        self._shared = shared
         self.ndim = len(step.input_specs[0].shape)
         self.steps: list[Step] = []
         self.inputs = [_module_of(n, describe) for n in step.inputs]
@@ -285,7 +361,7 @@ class LoraLift:
 
     # --- what an op may say --------------------------------------------------------------
 
-    def refuse(self, why: str) -> None:
+    def refuse(self, why: str) -> NoReturn:
         raise PlanError(f"{self.describe}: cannot lift its {self.step.op.kind} step to the adapter's "
                         f"{self.parts[0].b!r}: {why}")
 
@@ -327,7 +403,7 @@ class LoraLift:
             self.refuse(f"it maps {n_in} weights to {n_out}")
         out = self.outputs[0]
         others = [_factor(p, other) for p in self.parts]
-        if self._all_equal(others):  # one shared A (B for columns): the moving factors take the op
+        if self._shared(others):  # one shared A (B for columns): the moving factors take the op
             self._move(op, [_factor(p, moving) for p in self.parts], [out], moving)
             self._move(MergeEqual(), others, [out], other)
             rank, alpha = self.parts[0].rank, self.parts[0].alpha
@@ -375,13 +451,6 @@ class LoraLift:
             self.refuse(f"the parts' scalings differ ({detail}); one module has one scaling, so B would have to "
                         "be rescaled, which is not exact — fusectl does not do it")
         return scalings[0]
-
-    def _all_equal(self, names: Sequence[str]) -> bool:
-        specs = {self.table.spec(n) for n in names}
-        if len(specs) > 1:
-            return False
-        first = self.table[names[0]].read().tobytes()
-        return all(self.table[n].read().tobytes() == first for n in names[1:])
 
     def _move(self, op: Op, inputs: Sequence[str], modules: Sequence[str], factor: str) -> None:
         outputs = [_name(m, factor, self.parts[0]) for m in modules]
