@@ -58,9 +58,6 @@ ALLOWED_UNTIL_MERGED: set[tuple[str, str]] = {
     # io/checkpoint.py reads ONNX initializers through onnx/initializers.py (lazily, inside a
     # function); the formats-registry branch moves ONNX reading into io/
     ("io.checkpoint", "onnx.initializers"),
-    # adapters.py (a follower, level 5) imports planner.make_plan for make_adapter_plan; the
-    # followers branch lifts a base plan to the followers instead, so planner is not needed
-    ("adapters", "planner"),
 }
 
 
