@@ -170,7 +170,7 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     >>> [g.rule for g in planned.plan.groups]
     ['attn-qkv']
     >>> planned.to_json()["result"]["unique_count"]
-    10
+    17
     """
     if not rules:
         raise PlanError("give at least one rules file or preset name")
@@ -322,7 +322,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     >>> folder = tempfile.mkdtemp()
     >>> _ = fuse("fixtures/tiny-llama-gqa", ["llama-qkv"], os.path.join(folder, "fused"))
     >>> unfuse(os.path.join(folder, "fused"), os.path.join(folder, "restored")).tensors
-    18
+    21
     """
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
@@ -427,7 +427,7 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     >>> report.to_json()["ties"]
     [['embed.weight', 'head.weight']]
     >>> print(report.to_text().splitlines()[0])
-    fixtures/tied-embeddings.safetensors: safetensors, 1 file(s), 3 unique parameters, 5.38 KB
+    fixtures/tied-embeddings.safetensors: safetensors, 1 file(s), 3 unique parameters, 5.18 KB
     """
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     label = str(checkpoint.path) if isinstance(ckpt, Checkpoint) else os.fspath(ckpt)
