@@ -34,7 +34,7 @@ class TieError(PlanError):
 
 
 class OutputError(FusectlError):
-    """The output cannot be written (exists without --force, would overwrite an input)."""
+    """The output cannot be written (exists and may not be replaced, would overwrite an input)."""
 
 
 class VerifyError(FusectlError):

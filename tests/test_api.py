@@ -18,6 +18,7 @@ from fusectl.errors import FusectlError, OutputError, TieError, VerifyError, cli
 from fusectl.inspection import InspectReport
 
 from conftest import FIXTURES, ok, snapshot, write_rules
+from test_ties import TRANSPOSE_EMBED  # a rule that transposes one member of a tie
 
 BERT = FIXTURES / "onnx" / "bert"
 GRAPH = str(BERT / "model.onnx")
@@ -254,15 +255,6 @@ def test_verify_report_destination_named_as_a_keyword(tmp_path):
 
 
 # ------------------------------------------------------------------------ the caller's words
-
-TRANSPOSE_EMBED = """
-version = 1
-[[rule]]
-name   = "embed-transpose"
-op     = "transpose"
-input  = "embed.weight"
-output = "embed.weight"
-"""
 
 
 def test_a_tie_break_says_untie_true_through_the_api_and_untie_on_the_cli(cli, tmp_path):
