@@ -1,8 +1,11 @@
-"""What the command line does, as functions: plan, fuse, unfuse, export and verify.
+"""What the command line does, as functions: plan, fuse, unfuse, convert, inspect, map, export, verify.
 
-Each takes paths (or an opened :class:`~fusectl.io.checkpoint.Checkpoint`) and rules, raises a
-:class:`~fusectl.errors.FusectlError` for bad input, and returns a report; nothing here prints.
-``fusectl.cli`` parses options and calls these.
+Each takes a path (or an opened :class:`~fusectl.io.checkpoint.Checkpoint`) and rules, raises a
+:class:`~fusectl.errors.FusectlError` for bad input, and returns a report that knows its
+documented JSON (``.to_json()``) and its text (``.to_text()``); nothing here prints. Errors
+name options as keyword arguments (``untie=True``); ``fusectl.cli`` parses flags, calls these
+inside :func:`fusectl.errors.cli_vocabulary` (so the same errors name flags) and echoes the
+reports.
 
 >>> import os, tempfile, fusectl
 >>> out = os.path.join(tempfile.mkdtemp(), "fused")
@@ -15,23 +18,32 @@ True
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from .errors import PlanError, quote
+from .errors import OutputError, PlanError, VerifyError, option, option_name, printable, quote, speaking_cli
 from .executor import run_plan
 from .config_edit import resolve_edits
-from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text
+from .inspection import InspectReport, inspect_checkpoint
+from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
 from .io.output import output_kind
 from .steps import Plan, RuleOrigin
 from .planner import bind_and_lift
+from .reports import human, name_map_text, plan_json, plan_text
 from .rules.inverse import InverseProof, invert_with_proof
 from .rules.origin import load_recorded_rules
+from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .write import write_table
+
+__all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
+           "fuse", "inspect", "map_names", "name_map_text", "open_input", "plan", "preset_text", "presets", "unfuse", "verify"]
+
 
 @dataclass(frozen=True)
 class Planned:
@@ -44,10 +56,19 @@ class Planned:
     table: ParamTable
     lora_base: Plan | None = None  # a LoRA adapter's: the plan on its base view it was lifted from
 
+    def to_json(self) -> dict:
+        """The documented ``plan --json`` object: ``groups`` (each rule group as the provenance
+        records it) and ``result`` (the table the plan makes, as ``inspect --json`` shows one)."""
+        return plan_json(self.plan, self.table)
+
+    def to_text(self) -> str:
+        """``plan``'s text: each rule group and its steps, then the resulting table."""
+        return plan_text(self.plan, self.table)
+
 
 @dataclass(frozen=True)
 class FuseReport:
-    """What ``fuse`` / ``unfuse`` wrote."""
+    """What ``fuse``, ``unfuse`` or ``convert`` wrote."""
 
     output: str
     tensors: int
@@ -56,12 +77,48 @@ class FuseReport:
     copied_bytes: int  # copied as file ranges, never decoded
     steps: int  # steps in the recorded plan
     ties: list[list[str]]
+    seconds: float = 0.0  # from the call to the output in place, rounded to milliseconds
+
+    def to_json(self) -> dict:
+        """The documented ``--json`` object of fuse, unfuse and convert."""
+        return {
+            "output": self.output,
+            "tensors": self.tensors,
+            "unique_bytes": self.unique_bytes,
+            "written_bytes": self.written_bytes,
+            "copied_bytes": self.copied_bytes,
+            "steps": self.steps,
+            "ties": self.ties,
+            "seconds": self.seconds,
+        }
+
+    def to_text(self) -> str:
+        """The line fuse, unfuse and convert print: what was written, how much, how fast."""
+        return (f"wrote {self.output}: {self.tensors} tensors, {human(self.written_bytes)} "
+                f"({human(self.copied_bytes)} copied without decoding) in {self.seconds:.2f}s")
 
 
-def _checkpoint(ckpt, config: str | None, follow_symlinks: bool) -> Checkpoint:
+def _timed(report: FuseReport, started: float) -> FuseReport:
+    return replace(report, seconds=round(time.monotonic() - started, 3))
+
+
+def open_input(path, *, config: str | None = None, follow_symlinks: bool = False,
+               key: str | None = None) -> Checkpoint:
+    """Open the checkpoint at ``path`` as every function here does (a Checkpoint is returned as
+    it is): ``config`` a config.json other than the one beside it, ``follow_symlinks`` to follow
+    links out of its folder, ``key`` the state dict inside a PyTorch training dict. Raises
+    CheckpointError for a missing, corrupt or unknown file.
+
+    >>> open_input("fixtures/tied-embeddings.safetensors").format
+    'safetensors'
+    """
+    return _checkpoint(path, config, follow_symlinks, key)
+
+
+def _checkpoint(ckpt, config: str | None, follow_symlinks: bool, key: str | None = None) -> Checkpoint:
     if isinstance(ckpt, Checkpoint):
         return ckpt
-    return open_checkpoint(os.fspath(ckpt), config, allow_outside_links=follow_symlinks)
+    return open_checkpoint(os.fspath(ckpt), config, allow_outside_links=follow_symlinks, key=key)
 
 
 def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]:
@@ -80,23 +137,43 @@ def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect:
     for ruleset in rulesets:
         declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
     if detect:
-        declare_ties(table, detect_ties(table).groups, "--detect-ties")
+        declare_ties(table, detect_ties(table).groups, option_name("detect_ties"))
     if write_ties_once:
         table.store_once()
     return table
 
 
 def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool = False,
-         detect_ties: bool = False, write_ties_once: bool = False, follow_symlinks: bool = False) -> Planned:
-    """Bind ``rules`` (files or preset names, in order) to a checkpoint, from headers alone.
+         detect_ties: bool = False, write_ties_once: bool = False, follow_symlinks: bool = False,
+         key: str | None = None) -> Planned:
+    """Bind ``rules`` to a checkpoint, from headers alone (no tensor data is read).
+
+    :param ckpt: the checkpoint: a path (a file or a folder, any format fusectl reads) or an
+        opened :class:`~fusectl.io.checkpoint.Checkpoint` (then ``config``,
+        ``follow_symlinks`` and ``key`` are the ones it was opened with).
+    :param rules: rules files or preset names, applied in order (at least one).
+    :param config: a config.json for the rules' ``config:`` variables (default: the one beside
+        the checkpoint).
+    :param untie: allow rules that break a tie (the other members become copies).
+    :param detect_ties: adopt tensors with equal, non-constant content as ties (reads their data).
+    :param write_ties_once: store a tie adopted over two stored tensors once, the others as aliases.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :returns: a :class:`Planned`: the plan and the table it makes (``.to_json()`` is
+        ``plan --json``, ``.to_text()`` what ``plan`` prints).
+    :raises PlanError: no rules, or rules that do not fit the checkpoint (TieError: a tie
+        would break without ``untie``); RuleError for a bad rules file or an unknown preset;
+        CheckpointError for an unreadable checkpoint.
 
     >>> planned = plan("fixtures/tiny-llama-gqa", ["llama-qkv"])
     >>> [g.rule for g in planned.plan.groups]
     ['attn-qkv']
+    >>> planned.to_json()["result"]["unique_count"]
+    17
     """
     if not rules:
         raise PlanError("give at least one rules file or preset name")
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     loaded = _load_with_origins(checkpoint, rules)
     rulesets = [ruleset for ruleset, _ in loaded]
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
@@ -173,29 +250,80 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
 
 def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, force: bool = False,
          untie: bool = False, detect_ties: bool = False, write_ties_once: bool = False,
-         config: str | None = None, follow_symlinks: bool = False, progress: bool | None = False,
-         on_note: Callable[[str], None] | None = None) -> FuseReport:
-    """Apply ``rules`` to a checkpoint and write ``out`` (``.safetensors``, ``.npz`` or a folder)
-    atomically, with the plan recorded as provenance (appended to the input's own)."""
+         config: str | None = None, follow_symlinks: bool = False, key: str | None = None,
+         progress: bool | None = False, on_note: Callable[[str], None] | None = None) -> FuseReport:
+    """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
+    provenance (appended to the input's own).
+
+    :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param rules: rules files or preset names, applied in order (at least one).
+    :param out: the output: ``FILE.safetensors``, ``FILE.npz`` or a folder (Hugging Face layout).
+    :param untie: allow rules that break a tie (the other members become copies).
+    :param detect_ties: adopt tensors with equal, non-constant content as ties.
+    :param max_shard_size: cut a folder output into shards of at most this many bytes
+        (default: keep a sharded input's shards, else 5 GB); only for folder outputs.
+    :param force: replace an existing output.
+    :param write_ties_once: store a tie adopted over two stored tensors once, the others as aliases.
+    :param config: a config.json other than the one beside the checkpoint.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
+    :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
+    :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
+    :raises PlanError: as :func:`plan` does; ComputeError when a step's data is invalid for its
+        op; OutputError when ``out`` exists (without ``force``) or would overwrite an input.
+
+    >>> import os, tempfile
+    >>> out = os.path.join(tempfile.mkdtemp(), "fused.safetensors")
+    >>> report = fuse("fixtures/tiny-llama-gqa", ["llama-qkv"], out)
+    >>> report.steps, report.output == out
+    (2, True)
+    """
+    started = time.monotonic()
     planned = plan(ckpt, rules, config=config, untie=untie, detect_ties=detect_ties,
-                   write_ties_once=write_ties_once, follow_symlinks=follow_symlinks)
+                   write_ties_once=write_ties_once, follow_symlinks=follow_symlinks, key=key)
     checkpoint = planned.checkpoint
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
-    return _write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
-                  force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base)
+    return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
+                         force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base), started)
 
 
 def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,
            untie: bool = False, write_ties_once: bool = False, config: str | None = None,
-           follow_symlinks: bool = False, progress: bool | None = False,
+           follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
-    those the provenance records the rule making; the others are left alone, and without a
-    provenance every binding is a PlanError naming the tensor."""
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    those the provenance records the rule making; the others are left alone (``on_note`` hears
+    how many), and without a provenance every binding is a PlanError naming the tensor.
+
+    :param ckpt: the fused checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param out: the output: ``FILE.safetensors``, ``FILE.npz`` or a folder.
+    :param rules: rules files or preset names to invert (default: the recorded provenance).
+    :param untie: allow inverted rules that break a tie.
+    :param max_shard_size: cut a folder output into shards of at most this many bytes
+        (default: keep a sharded input's shards, else 5 GB); only for folder outputs.
+    :param force: replace an existing output.
+    :param write_ties_once: store a tie adopted over two stored tensors once, the others as aliases.
+    :param config: a config.json other than the one beside the checkpoint.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
+    :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
+    :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
+    :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
+        tensors; OutputError as :func:`fuse`.
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = fuse("fixtures/tiny-llama-gqa", ["llama-qkv"], os.path.join(folder, "fused"))
+    >>> unfuse(os.path.join(folder, "fused"), os.path.join(folder, "restored")).tensors
+    21
+    """
+    started = time.monotonic()
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     if rules:
         loaded = _load_with_origins(checkpoint, rules)
         history = _bound_history(checkpoint)
@@ -211,7 +339,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
                     f"make (first: {quote(proof.left_alone[0])})")
     else:
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
-            raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass -r RULES to invert rules instead")
+            raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass {option('rules')} to invert "
+                            "rules instead")
         start = checkpoint.table.copy()
         if write_ties_once:
             start.store_once()
@@ -219,8 +348,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base = None
-    return _write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
-                  progress=progress, on_note=on_note, lora_base=lora_base)
+    return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
+                         progress=progress, on_note=on_note, lora_base=lora_base), started)
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:
@@ -236,31 +365,86 @@ def _bound_history(checkpoint: Checkpoint) -> Plan | None:
 
 def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False,
             write_ties_once: bool = False, config: str | None = None, follow_symlinks: bool = False,
-            progress: bool | None = False, on_note: Callable[[str], None] | None = None) -> FuseReport:
-    """Write a checkpoint in another format (``.safetensors``, ``.npz`` or a folder) with no rules:
-    the same tensors, ties written once with their aliases recorded, and the input's provenance
-    (if any) carried over. To read a training dict, open it with its key first:
-    ``convert(open_checkpoint("ckpt.pth", key="model_state_dict"), "model.safetensors")``.
+            key: str | None = None, progress: bool | None = False,
+            on_note: Callable[[str], None] | None = None) -> FuseReport:
+    """Write a checkpoint in another format with no rules: the same tensors, ties written once
+    with their aliases recorded, and the input's provenance (if any) carried over.
+
+    :param ckpt: the checkpoint: a path (any format fusectl reads: PyTorch files and
+        ``pytorch_model*.bin`` folders, read without torch; an ONNX model's initializers;
+        safetensors; npz) or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param out: the output: ``FILE.safetensors``, ``FILE.npz`` or a folder.
+    :param max_shard_size: cut a folder output into shards of at most this many bytes
+        (default: keep a sharded input's shards, else 5 GB); only for folder outputs.
+    :param force: replace an existing output.
+    :param write_ties_once: store a tie adopted over two stored tensors once, the others as aliases.
+    :param config: a config.json other than the one beside the checkpoint.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
+    :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
+    :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
+    :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
+        no ``key``); OutputError as :func:`fuse`.
 
     >>> import os, tempfile
     >>> out = os.path.join(tempfile.mkdtemp(), "model.npz")
     >>> convert("fixtures/tied-embeddings.safetensors", out).ties
     [['embed.weight', 'head.weight']]
+    >>> out = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> convert("fixtures/torch/training.pt", out, key="model_state_dict").tensors > 0
+    True
     """
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    started = time.monotonic()
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     table = checkpoint.table.copy()
     if write_ties_once:
         table.store_once()
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
-    return _write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
-                  progress=progress, on_note=on_note)
+    return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
+                         progress=progress, on_note=on_note), started)
 
 
-def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False):
-    """Pair a checkpoint's structural names with the initializers of ``graph`` (an exporter's
-    ``.onnx``) and its Constant nodes, also inside If/Loop/Scan bodies: by name, then by equal
-    content, then by equal transposed content; a
-    :class:`~fusectl.onnx.namemap.NameMap`.
+def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,
+            key: str | None = None) -> InspectReport:
+    """What a checkpoint holds: its parameters, ties, provenance, scales and adapter, from its
+    headers.
+
+    :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param config: a config.json other than the one beside the checkpoint (it decides, for
+        example, a quantized checkpoint's block size).
+    :param detect_ties: hash every tensor and report equal ones as suspected ties (reads all data).
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :returns: an :class:`~fusectl.inspection.InspectReport`: ``.to_json()`` is the object
+        ``inspect --json`` prints, ``.to_text()`` what ``inspect`` prints.
+    :raises CheckpointError: a missing, corrupt or unknown file, or a ``key`` that names no
+        state dict (or given for a file that is not PyTorch's).
+
+    >>> report = inspect("fixtures/tied-embeddings.safetensors")
+    >>> report.to_json()["ties"]
+    [['embed.weight', 'head.weight']]
+    >>> print(report.to_text().splitlines()[0])
+    fixtures/tied-embeddings.safetensors: safetensors, 1 file(s), 3 unique parameters, 5.18 KB
+    """
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
+    label = str(checkpoint.path) if isinstance(ckpt, Checkpoint) else os.fspath(ckpt)
+    return inspect_checkpoint(checkpoint, label, detect_ties=detect_ties)
+
+
+def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False, key: str | None = None):
+    """Pair a checkpoint's structural names with the initializers of ``graph`` and its Constant
+    nodes, also inside If/Loop/Scan bodies: by name (allowing one common prefix), then by equal
+    content, then by equal transposed content (exporters fold Linear weights into anonymous
+    transposed initializers).
+
+    :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param graph: the path of an exporter's ``.onnx``.
+    :param config: a config.json other than the one beside the checkpoint.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :returns: a :class:`~fusectl.onnx.namemap.NameMap` (``.to_json()`` is ``map --json``).
+    :raises CheckpointError: an unreadable checkpoint or graph.
 
     >>> pairs = map_names("fixtures/onnx/bert/model.safetensors", "fixtures/onnx/bert/model.onnx")
     >>> len(pairs.pairs) > 0 and not pairs.differing()
@@ -269,43 +453,198 @@ def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool =
     from .onnx.graph import load_model
     from .onnx.namemap import map_graph
 
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     return map_graph(checkpoint.table, load_model(os.fspath(graph)))
 
 
 def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, follow_symlinks: bool = False,
-           on_note: Callable[[str], None] | None = None):
-    """Rewrite ``graph`` (exported from the unfused model) to take the checkpoint's parameters;
-    an :class:`~fusectl.onnx.export.ExportReport` (``.to_json()`` is ``export --json``: what was
-    fused, what was not and why, and the graph's own tensors it kept). OutputError unless
-    ``out`` ends in ``.onnx``; ExportError when a weight the graph holds (an initializer or a
-    Constant, at any depth) cannot be taken from the checkpoint."""
+           key: str | None = None, on_note: Callable[[str], None] | None = None):
+    """Rewrite ``graph`` (exported from the unfused model) to take the checkpoint's parameters
+    as its initializers: fused MatMul/Gemm consumers of a fused weight, folded
+    reparametrizations, tied parameters stored once.
+
+    :param ckpt: the (fused) checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param graph: the path of the ONNX graph exported from the model with the unfused layout.
+    :param out: the output; must end in ``.onnx``.
+    :param force: replace an existing output.
+    :param config: a config.json other than the one beside the checkpoint.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :param on_note: called with each note that is not an error.
+    :returns: an :class:`~fusectl.onnx.export.ExportReport` (``.to_json()`` is ``export
+        --json``: what was fused, what was not and why, and the graph's own tensors it kept;
+        ``.to_text()`` what ``export`` prints).
+    :raises OutputError: ``out`` does not end in ``.onnx`` (checked before anything is read),
+        exists without ``force``, or would overwrite an input; ExportError when a weight the
+        graph holds (an initializer or a Constant, at any depth) cannot be taken from the
+        checkpoint.
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = fuse("fixtures/onnx/bert", ["bert-qkv"], os.path.join(folder, "fused"))
+    >>> report = export(os.path.join(folder, "fused"), "fixtures/onnx/bert/model.onnx",
+    ...                 os.path.join(folder, "fused.onnx"))
+    >>> report.fused_matmuls > 0
+    True
+    """
     from .onnx.export import check_onnx_output, export_model
 
     check_onnx_output(os.fspath(out))  # before the checkpoint is opened: nothing to read for a bad name
-    return export_model(_checkpoint(ckpt, config, follow_symlinks), os.fspath(graph), os.fspath(out),
+    return export_model(_checkpoint(ckpt, config, follow_symlinks, key), os.fspath(graph), os.fspath(out),
                         force=force, on_note=on_note)
 
 
 def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "auto",
            rtol: float | None = None, atol: float | None = None,
            shapes: Mapping[str, tuple[int, ...]] | None = None, dims: Mapping[str, int] | None = None,
-           inputs: Mapping | None = None, seed: int = 0, config: str | None = None,
-           follow_symlinks: bool = False):
-    """Prove ``candidate`` computes what ``reference`` computes: two ``.onnx`` models run on
-    onnxruntime, or two checkpoints compared through the candidate's provenance (or ``rules``).
-    A :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether it did."""
+           inputs: Mapping | str | os.PathLike | None = None, seed: int = 0, config: str | None = None,
+           follow_symlinks: bool = False, key: str | None = None, report: str | None = None,
+           junit: str | None = None, on_note: Callable[[str], None] | None = None):
+    """Prove ``candidate`` computes what ``reference`` computes.
+
+    Two ``.onnx`` models: both run on onnxruntime with the same inputs and every output is
+    compared. Two checkpoints: the candidate's provenance (or ``rules``) is replayed on the
+    reference and compared tensor by tensor, the inverse is checked, ties are checked, and
+    each step kind runs once per shape as a small onnxruntime computation. A graph and a
+    checkpoint are refused (export the checkpoint to a graph first).
+
+    :param reference: the original: a ``.onnx`` path, a checkpoint path or an opened
+        :class:`~fusectl.io.checkpoint.Checkpoint`.
+    :param candidate: what should compute the same, of the same kind as ``reference``.
+    :param rules: with checkpoints, the rules that made the candidate (default: its provenance).
+    :param provider: ``"auto"``, ``"cpu"`` or ``"cuda"`` (which must really run on CUDA).
+    :param rtol: relative tolerance, finite and >= 0 (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2).
+    :param atol: absolute tolerance, finite and >= 0 (default by dtype).
+    :param shapes: models only: whole shapes of model inputs by name (their named dimensions
+        apply to the other inputs too).
+    :param dims: models only: sizes of named dynamic dimensions (dim_param).
+    :param inputs: models only: model inputs, as named arrays or the path of an ``.npz``
+        (default: seeded random).
+    :param seed: seed of the random inputs (>= 0).
+    :param config: checkpoints only: a config.json other than the one beside each checkpoint.
+    :param follow_symlinks: follow links in an input folder that lead outside it.
+    :param key: checkpoints only: the state dict inside a PyTorch training dict (given to
+        whichever of the two is a PyTorch file).
+    :param report: write the JSON report here (never over an input).
+    :param junit: write JUnit XML here, for CI (never over an input).
+    :param on_note: called with each note that is not an error.
+    :returns: a :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether
+        the candidate computes the same, ``.to_json()`` is the ``--report`` object and
+        ``.to_text()`` what ``verify`` prints.
+    :raises VerifyError: a graph with a checkpoint, options that do not apply to the inputs
+        given, a checkpoint candidate without provenance or ``rules``, an unavailable
+        provider, inputs that do not fit the models; OutputError for a report destination
+        that is an input, lies inside an input folder, or is given twice.
+
+    >>> verify("fixtures/onnx/bert/model.onnx", "fixtures/onnx/bert/model.onnx", provider="cpu").passed
+    True
+    >>> verify("fixtures/onnx/bert/model.onnx", "fixtures/onnx/bert/model.safetensors")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fusectl.errors.VerifyError: fixtures/onnx/bert/model.onnx is an ONNX graph but fixtures/onnx/bert/model.safetensors is a checkpoint; ...
+    """
     from .verification.checkpoint_check import lora_base_for, plan_for, verify_checkpoints
-    from .verification.model_check import verify_models
+    from .verification.inputs_file import load_inputs_file
+    from .verification.model_check import model_input_paths, verify_models
+    from .verification.report import check_report_destinations
 
     def is_graph(path) -> bool:
         return not isinstance(path, Checkpoint) and os.fspath(path).endswith(".onnx")
 
-    if is_graph(reference) and is_graph(candidate):
-        return verify_models(os.fspath(reference), os.fspath(candidate), provider=provider, atol=atol, rtol=rtol,
-                             inputs=inputs or {}, shapes=shapes or {}, dims=dims or {}, seed=seed)
-    ref = _checkpoint(reference, config, follow_symlinks)
-    cand = _checkpoint(candidate, config, follow_symlinks)
-    rulesets = load_rulesets(ref, rules)
-    return verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider, atol=atol, rtol=rtol,
-                              seed=seed, lora_base=lora_base_for(cand, rulesets, ref), recorded=not rulesets)
+    destinations = {option_name("report"): report, option_name("junit"): junit}
+    # rules files and the config are inputs too; a preset name is not a path
+    named = [p for p in (*map(os.fspath, rules), config) if p and os.path.exists(p)]
+    graphs = [is_graph(reference), is_graph(candidate)]
+    if any(graphs) and key is not None:
+        raise VerifyError(f"{option_name('key')} selects a state dict inside a PyTorch checkpoint; it does not "
+                          "apply to .onnx models")
+    if all(graphs):
+        reference, candidate = os.fspath(reference), os.fspath(candidate)
+        inputs_path = os.fspath(inputs) if isinstance(inputs, (str, os.PathLike)) else None
+        sources = [*model_input_paths(reference), *model_input_paths(candidate), *named,
+                   *([inputs_path] if inputs_path else [])]
+        check_report_destinations(destinations, sources)
+        arrays = load_inputs_file(inputs_path) if inputs_path is not None else inputs or {}
+        result = verify_models(reference, candidate, provider=provider, atol=atol, rtol=rtol,
+                               inputs=arrays, shapes=shapes or {}, dims=dims or {}, seed=seed)
+    elif any(graphs):
+        graph, ckpt = (reference, candidate) if graphs[0] else (candidate, reference)
+        raise VerifyError(_graph_with_checkpoint(_label(graph), _label(ckpt)))
+    else:
+        used = [name for name, value in (("shapes", shapes), ("dims", dims), ("inputs", inputs)) if value]
+        if used:
+            raise VerifyError(f"{option_name(used[0])} applies to two .onnx models; with checkpoints, verify "
+                              "makes its own inputs")
+        ref = _checkpoint(reference, config, follow_symlinks, _key_for(reference, key))
+        cand = _checkpoint(candidate, config, follow_symlinks, _key_for(candidate, key))
+        if key is not None and not {ref.format, cand.format} & {"pytorch"}:
+            raise VerifyError(f"{option_name('key')} selects a state dict inside a PyTorch file; neither "
+                              f"{printable(_label(reference))} nor {printable(_label(candidate))} is one, "
+                              "so leave it out")
+        sources = [*ref.input_paths(), *cand.input_paths(), *named]
+        check_report_destinations(destinations, sources)
+        rulesets = load_rulesets(ref, rules)
+        result = verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider, atol=atol,
+                                    rtol=rtol, seed=seed, lora_base=lora_base_for(cand, rulesets, ref),
+                                    recorded=not rulesets)
+    result.write(json_path=report, junit_path=junit, inputs=sources, on_note=on_note)
+    return result
+
+
+def _label(ckpt) -> str:
+    """A verify input as messages name it: the path given (an opened checkpoint's own)."""
+    return str(ckpt.path) if isinstance(ckpt, Checkpoint) else os.fspath(ckpt)
+
+
+def _key_for(ckpt, key: str | None) -> str | None:
+    """``key`` for a PyTorch file, None for the others (verify reads two inputs, which may differ)."""
+    if key is None or isinstance(ckpt, Checkpoint) or not takes_key(os.fspath(ckpt)):
+        return None
+    return key
+
+
+def _graph_with_checkpoint(graph: str, ckpt: str) -> str:
+    """Why a graph and a checkpoint are not compared, and how to make the graph to compare."""
+    if speaking_cli():
+        make = f"`fusectl export {printable(ckpt)} --graph {printable(graph)} -o OUT.onnx`"
+    else:
+        make = (f"fusectl.export({printable(json.dumps(ckpt))}, {printable(json.dumps(graph))}, "
+                '"OUT.onnx")')
+    return (f"{printable(graph)} is an ONNX graph but {printable(ckpt)} is a checkpoint; verify compares a "
+            "graph with a graph (two .onnx files) or a checkpoint with a checkpoint. Make a graph from the "
+            f"checkpoint with {make}, then verify the two .onnx files")
+
+
+def presets() -> dict[str, str]:
+    """The presets shipped with fusectl, by name, each with its one-line description.
+
+    :returns: ``{name: description}`` in name order.
+
+    >>> presets()["llama-qkv"].startswith("Llama")
+    True
+    """
+    return {name: preset_description(name) for name in preset_names()}
+
+
+
+def check_tolerance(name: str, value) -> float:
+    """``value`` as a tolerance named ``name`` in the message: a finite number >= 0, else
+    VerifyError (NaN or an infinity would pass anything).
+
+    >>> check_tolerance("atol", "1e-4")
+    0.0001
+    """
+    from .verification.compare import check_tolerance as checked
+
+    return checked(name, value)
+
+
+def check_seed(seed: int) -> int:
+    """``seed`` if it seeds random inputs: a whole number >= 0, else VerifyError.
+
+    >>> check_seed(7)
+    7
+    """
+    from .verification.runner import check_seed as checked
+
+    return checked(seed)

@@ -8,21 +8,13 @@ import os
 import re
 import signal
 import sys
-import time
 import traceback
 
 import click
 
 from . import api
+from .errors import FusectlError, cli_vocabulary, printable
 from .version import __version__
-from .errors import FusectlError, printable
-from .io.checkpoint import Checkpoint, open_checkpoint, takes_key
-from .io.provenance import plan_to_json
-from .steps import Plan
-from .followers.scales import scale_names
-from .rules.presets import preset_description, preset_names, preset_text
-from .table import ParamTable
-from .ties import detect_ties
 
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
@@ -43,7 +35,8 @@ class FusectlGroup(click.Group):
     def invoke(self, ctx: click.Context):
         signal.signal(signal.SIGTERM, _on_sigterm)
         try:
-            return super().invoke(ctx)
+            with cli_vocabulary():  # the library's messages name flags, not keyword arguments
+                return super().invoke(ctx)
         except FusectlError as e:
             _fail(ctx, str(e))
         except _Terminated:
@@ -113,13 +106,9 @@ def _key() -> str | None:
     return click.get_current_context().find_root().meta.get("fusectl.key")
 
 
-def _open(path: str, config_path: str | None = None, *, key_if_pytorch: bool = False) -> Checkpoint:
-    """open_checkpoint with the command line's --follow-symlinks and --key (``key_if_pytorch``:
-    the key goes to PyTorch files only, for commands that read two inputs)."""
-    key = _key()
-    if key_if_pytorch and not takes_key(path):
-        key = None
-    return open_checkpoint(path, config_path, allow_outside_links=_follow_symlinks(), key=key)
+def _inputs() -> dict:
+    """How the command line's --follow-symlinks and --key read a checkpoint, as the API's arguments."""
+    return {"follow_symlinks": _follow_symlinks(), "key": _key()}
 
 
 def inputs_options(fn):
@@ -162,40 +151,23 @@ def _emit_json(data) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
+def _emit(report, as_json: bool) -> None:
+    """A report as its JSON (--json) or its text."""
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        click.echo(report.to_text())
+
+
 def _follow_symlinks() -> bool:
     return bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
 
 
-def _forward_plan(ckpt, rules, config_path, untie, adopt, write_ties_once=False) -> api.Planned:
-    """Open CKPT and bind RULES to it (a usage error without rules)."""
+def _forward_plan(ckpt, rules, config_path, untie, adopt) -> api.Planned:
+    """Bind RULES to CKPT (a usage error without rules)."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    return api.plan(_open(ckpt, config_path), rules, untie=untie, detect_ties=adopt,
-                    write_ties_once=write_ties_once)
-
-
-def _parameters_json(table: ParamTable) -> list[dict]:
-    unique = table.unique_names()
-    return [
-        {
-            "name": name,
-            "unique": unique[name],
-            "dtype": table.spec(name).dtype.safetensors,
-            "shape": list(table.spec(name).shape),
-            "nbytes": table.spec(name).nbytes,
-        }
-        for name in table.names()
-    ]
-
-
-def _summary(table: ParamTable) -> dict:
-    unique = table.unique()
-    return {
-        "parameters": _parameters_json(table),
-        "ties": table.ties(),
-        "unique_count": len(unique),
-        "total_bytes": sum(t.spec.nbytes for _, t in unique),
-    }
+    return api.plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs())
 
 
 rules_option = click.option("-r", "--rules", "rules", multiple=True, metavar="RULES",
@@ -227,106 +199,8 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
     Example:
       fusectl inspect fixtures/tied-embeddings.safetensors --json
     """
-    c = _open(ckpt, config_path)
-    report = {
-        "format": c.format,
-        "files": c.files,
-        **_summary(c.table),
-        "provenance": c.provenance.to_json() if c.provenance else None,
-        "config": c.config_path,
-        "state_dict_key": c.state_dict_key,
-        "ignored": c.ignored,
-        "quantization": c.followers.report("scales"),
-        "adapter": c.followers.report("lora"),
-    }
-    if detect:
-        known = {tuple(g) for g in c.table.ties()}
-        detected = detect_ties(c.table)
-        report["suspected_ties"] = [g for g in detected.groups if tuple(g) not in known]
-        report["constant_groups_skipped"] = detected.constant_groups
-    if as_json:
-        _emit_json(report)
-        return
-    click.echo(f"{ckpt}: {c.format}, {len(c.files)} file(s), {report['unique_count']} unique "
-               f"parameters, {_human(report['total_bytes'])}")
-    if c.state_dict_key is not None:
-        click.echo(f"state dict: {printable(c.state_dict_key)} (pass --key to choose another)")
-    if c.ignored:
-        click.echo(f"ignored (not tensors): {_names(c.ignored)}")
-    width = max((len(printable(p["name"])) for p in report["parameters"]), default=0)
-    for p in report["parameters"]:
-        tie = f"  -> {printable(p['unique'])}" if p["unique"] != p["name"] else ""
-        click.echo(f"  {printable(p['name']):<{width}}  {p['dtype']:<6} {str(p['shape']):<16}{tie}")
-    for group in report["ties"]:
-        click.echo(f"tied: {_names(group)}")
-    for group in report.get("suspected_ties", []):
-        click.echo(f"suspected tie (equal content): {_names(group)}; adopt with --detect-ties on fuse/plan or [ties] in a rules file")
-    if report.get("constant_groups_skipped"):
-        click.echo(f"not suspected: {report['constant_groups_skipped']} group(s) of equal tensors whose "
-                   "elements are all one value (all-ones norms, zero biases), which are equal by chance")
-    adapter = report["adapter"]
-    if adapter:
-        ranks = sorted({m["rank"] for m in adapter["modules"].values()})
-        scalings = sorted({m["scaling"] for m in adapter["modules"].values()})
-        click.echo(f"LoRA adapter: {len(adapter['modules'])} module(s), rank {', '.join(map(str, ranks))}, "
-                   f"scaling {', '.join(f'{s:g}' for s in scalings)}")
-    quantized = report["quantization"]
-    if quantized:
-        kinds = sorted({s["kind"] for scales in quantized["weights"].values() for s in scales})
-        click.echo(f"quantized: {len(quantized['weights'])} weight(s) with scales ({', '.join(kinds)}); "
-                   f"block size {_block_text(quantized)}")
-    if c.provenance:
-        click.echo(f"provenance: {len(c.provenance.plan.groups)} rule group(s), "
-                   f"{len(c.provenance.plan.steps)} step(s) recorded by fusectl")
-
-
-def _block_text(quantized: dict) -> str:
-    if not quantized["block_size"]:
-        return "not set (no block scales, or set quantization_config.weight_block_size)"
-    return f"{quantized['block_size'][0]}x{quantized['block_size'][1]} ({quantized['block_size_source']})"
-
-
-def _names(names) -> str:
-    return ", ".join(printable(n) for n in names)
-
-
-def _human(nbytes: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{nbytes} B"
-
-
-def _print_plan(plan: Plan, result: ParamTable) -> None:
-    steps = plan.steps
-    click.echo(f"plan: {len(plan.groups)} rule group(s), {len(steps)} step(s) (computed from headers)")
-    for group in plan.groups:
-        notes = [n for n, on in (("one-way", any(s.inverse() is None for s in group.steps)),
-                                  ("numeric", any(not s.op.exact for s in group.steps))) if on]
-        note = f" ({', '.join(notes)})" if notes else ""
-        click.echo(f"{group.describe()}: {group.kind} x{len(group.steps)}{note}")
-        if group.config is not None:
-            click.echo(f"  {group.config.describe()}")
-        weights: set[str] = set()
-        for step in group.steps:
-            ins = ", ".join(f"{printable(n)} {s}" for n, s in zip(step.inputs, step.input_specs))
-            outs = ", ".join(f"{printable(n)} {s}" for n, s in zip(step.outputs, step.output_specs))
-            # a quantized weight's scales move right after it, shown beside it
-            is_scale = all(n in scale_names(weights) for n in step.inputs)
-            if not is_scale:
-                weights = set(step.inputs)
-            click.echo(f"  {'  scale: ' if is_scale else ''}{ins} -> {outs or '(dropped)'}")
-        for members in group.untied:
-            click.echo(f"  untied (--untie): {_names(members)}")
-    unique = result.unique()
-    click.echo(f"result: {len(result.entries)} names, {len(unique)} unique parameters, "
-               f"{_human(sum(t.spec.nbytes for _, t in unique))}")
-    for group in result.ties():
-        click.echo(f"tied: {_names(group)}")
-
-
-def _plan_json(plan: Plan, result: ParamTable) -> dict:
-    return {"groups": plan_to_json(plan), "result": _summary(result)}
+    report = api.inspect(ckpt, config=config_path, detect_ties=detect, **_inputs())
+    _emit(report, as_json)
 
 
 @command(main, "plan")
@@ -344,11 +218,7 @@ def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
     Example:
       fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
     """
-    planned = _forward_plan(ckpt, rules, config_path, untie, adopt)
-    if as_json:
-        _emit_json(_plan_json(planned.plan, planned.table))
-    else:
-        _print_plan(planned.plan, planned.table)
+    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt), as_json)
 
 
 class SizeType(click.ParamType):
@@ -397,26 +267,6 @@ def with_output_options(fn):
     return fn
 
 
-def _report_written(report: api.FuseReport, as_json: bool, started: float) -> None:
-    seconds = round(time.monotonic() - started, 3)
-    if as_json:
-        _emit_json({
-            "output": report.output,
-            "tensors": report.tensors,
-            "unique_bytes": report.unique_bytes,
-            "written_bytes": report.written_bytes,
-            "copied_bytes": report.copied_bytes,
-            "steps": report.steps,
-            "ties": report.ties,
-            "seconds": seconds,
-        })
-    else:
-        click.echo(
-            f"wrote {report.output}: {report.tensors} tensors, {_human(report.written_bytes)} "
-            f"({_human(report.copied_bytes)} copied without decoding) in {seconds:.2f}s"
-        )
-
-
 @command(main, "fuse")
 @inputs_options
 @click.argument("ckpt", type=click.Path())
@@ -434,13 +284,11 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
     Example:
       fusectl fuse fixtures/tiny-llama-gqa -r llama-qkv -r llama-gate-up -o fused/
     """
-    started = time.monotonic()
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    report = api.fuse(_open(ckpt, config_path), rules, out, max_shard_size=max_shard_size, force=force,
-                      untie=untie, detect_ties=adopt, write_ties_once=write_ties_once,
-                      progress=False if quiet else None, on_note=_note)
-    _report_written(report, as_json, started)
+    _emit(api.fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie, detect_ties=adopt,
+                   write_ties_once=write_ties_once, config=config_path, **_inputs(),
+                   progress=False if quiet else None, on_note=_note), as_json)
 
 
 @command(main, "unfuse")
@@ -459,11 +307,9 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     Example:
       fusectl unfuse fused/ -o restored/
     """
-    started = time.monotonic()
-    report = api.unfuse(_open(ckpt, config_path), out, rules, max_shard_size=max_shard_size, force=force,
-                        untie=untie, write_ties_once=write_ties_once, progress=False if quiet else None,
-                        on_note=_note)
-    _report_written(report, as_json, started)
+    _emit(api.unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
+                     write_ties_once=write_ties_once, config=config_path, **_inputs(),
+                     progress=False if quiet else None, on_note=_note), as_json)
 
 
 @command(main, "convert")
@@ -484,10 +330,8 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     Example:
       fusectl convert training.pth --key model_state_dict -o model.safetensors
     """
-    started = time.monotonic()
-    report = api.convert(_open(ckpt, config_path), out, max_shard_size=max_shard_size, force=force,
-                         write_ties_once=write_ties_once, progress=False if quiet else None, on_note=_note)
-    _report_written(report, as_json, started)
+    _emit(api.convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
+                      config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note), as_json)
 
 
 @command(main, "map")
@@ -506,27 +350,12 @@ def map_cmd(ckpt, graph, as_json, config_path):
     Example:
       fusectl map fixtures/onnx/bert/model.safetensors fixtures/onnx/bert/model.onnx
     """
-    c = _open(ckpt, config_path)
+    c = api.open_input(ckpt, config=config_path, **_inputs())
     result = api.map_names(c, graph)
     if as_json:
         _emit_json(result.to_json())
-        return
-    width = max((len(printable(p.structural)) for p in result.pairs), default=0)
-    notes = {"differs": "  (data differs: the graph holds something else under this name)",
-             "unknown": "  (data not checked: the checkpoint knows only the name)"}
-    for p in result.pairs:
-        click.echo(f"{printable(p.structural):<{width}}  {p.how:<10}  {printable(p.initializer)}"
-                   f"{notes.get(p.data, '')}")
-    for name in result.unmatched_checkpoint:
-        click.echo(f"unmatched in {ckpt}: {printable(name)}")
-    for name in result.unmatched_graph:
-        click.echo(f"unmatched in {graph}: {printable(name)}")
-    click.echo(f"{len({p.structural for p in result.pairs})} of {len(c.table.names())} names paired; "
-               f"{len(result.unmatched_graph)} graph initializer(s) unmatched")
-    differing = result.differing()
-    if differing:
-        click.echo(f"{len(differing)} pair(s) by name hold different data: "
-                   f"{_names(p.structural for p in differing)}")
+    else:
+        click.echo(api.name_map_text(result, ckpt, graph, len(c.table.names())))
 
 
 @command(main, "export")
@@ -558,22 +387,9 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
       fusectl export bert-fused/ --graph fixtures/onnx/bert/model.onnx -o bert-fused.onnx
       fusectl verify fixtures/onnx/bert/model.onnx bert-fused.onnx --inputs fixtures/onnx/bert/io.npz
     """
-    report = api.export(_open(ckpt, config_path), graph, out, force=force, on_note=_note)
-    if as_json:
-        _emit_json(report.to_json())
-        return
-    click.echo(f"wrote {out}: {report.initializers} initializers; {report.fused_matmuls} fused MatMul/Gemm "
-               f"group(s), {report.folded} folded step(s), {report.rebound} graph tensor use(s) rebound"
-               + ("; external data" if report.external_data else ""))
-    for group in report.not_fused:
-        click.echo(f"not fused: {_names(group['consumers'])} on parts of {printable(group['weight'])}: "
-                   f"{printable(group['why'])}")
-    if report.kept_constants:
-        whys = sorted({k["why"] for k in report.kept_constants})
-        own = [k["name"] for k in report.kept_constants if k["why"] == "graph-own"]
-        click.echo(f"kept {len(report.kept_constants)} graph tensor(s) of its own: "
-                   + ", ".join(f"{sum(k['why'] == why for k in report.kept_constants)} {why}" for why in whys)
-                   + (f" ({_names(own[:5])}{', …' if len(own) > 5 else ''})" if own else ""))
+    # opened first: a missing checkpoint is named before a bad output name
+    _emit(api.export(api.open_input(ckpt, config=config_path, **_inputs()), graph, out, force=force,
+                     on_note=_note), as_json)
 
 
 class _NamedSizesType(click.ParamType):
@@ -633,12 +449,10 @@ class ToleranceType(click.ParamType):
     name = "TOLERANCE"
 
     def convert(self, value, param, ctx):
-        from .verification.compare import check_tolerance
-
         if isinstance(value, float):  # already converted
             return value
         try:
-            return check_tolerance(param.opts[0] if param is not None else "tolerance", value)
+            return api.check_tolerance(param.opts[0] if param is not None else "tolerance", value)
         except FusectlError as e:
             if ctx is None:
                 self.fail(str(e), param, ctx)
@@ -652,15 +466,13 @@ class SeedType(click.ParamType):
     name = "N"
 
     def convert(self, value, param, ctx):
-        from .verification.runner import check_seed
-
         if isinstance(value, int):  # already converted (the default)
-            return check_seed(value)
+            return api.check_seed(value)
         text = str(value).strip()
         try:
             if not text.lstrip("+-").isdigit() or not text.isascii():
                 raise FusectlError(f"--seed {value!r}: give a whole number >= 0")
-            return check_seed(int(text))
+            return api.check_seed(int(text))
         except (FusectlError, ValueError) as e:  # ValueError: more digits than Python converts
             message = str(e) if isinstance(e, FusectlError) else f"--seed: {len(text)} digits; give a smaller seed"
             if ctx is None:
@@ -706,9 +518,6 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
     """
-    from .verification.model_check import load_inputs_file, model_input_paths
-    from .verification.report import check_report_destinations
-
     ctx = click.get_current_context()
     parsed = {}
     for option, pairs in (("--input", input_shapes), ("--dim", dims)):
@@ -717,39 +526,9 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             if parsed[option].get(name, value) != value:
                 _fail(ctx, f"{option} {printable(name)} is given twice with different sizes; give it once")
             parsed[option][name] = value
-    destinations = {"--report": report_path, "--junit": junit_path}
-    # rules files and --config are inputs too; a preset name is not a path
-    named = [p for p in (*rules, config_path) if p and os.path.exists(p)]
-    graphs = [p.endswith(".onnx") for p in (reference, candidate)]
-    if any(graphs) and _key() is not None:
-        _fail(ctx, "--key selects a state dict inside a PyTorch checkpoint; it does not apply to .onnx models")
-    if all(graphs):
-        sources = [*model_input_paths(reference), *model_input_paths(candidate), *named,
-                   *([inputs_file] if inputs_file else [])]
-        check_report_destinations(destinations, sources)
-        report = api.verify(reference, candidate, provider=provider, atol=atol, rtol=rtol,
-                            inputs=load_inputs_file(inputs_file), shapes=parsed["--input"],
-                            dims=parsed["--dim"], seed=seed)
-    elif any(graphs):
-        graph, ckpt = (reference, candidate) if graphs[0] else (candidate, reference)
-        _fail(ctx, f"{printable(graph)} is an ONNX graph but {printable(ckpt)} is a checkpoint; verify "
-                   "compares a graph with a graph (two .onnx files) or a checkpoint with a checkpoint. "
-                   f"Make a graph from the checkpoint with `fusectl export {printable(ckpt)} --graph "
-                   f"{printable(graph)} -o OUT.onnx`, then verify the two .onnx files")
-    else:
-        used = [o for o, v in (("--input", input_shapes), ("--dim", dims), ("--inputs", inputs_file)) if v]
-        if used:
-            _fail(ctx, f"{used[0]} applies to two .onnx models; with checkpoints, verify makes its own inputs")
-        ref = _open(reference, config_path, key_if_pytorch=True)
-        cand = _open(candidate, config_path, key_if_pytorch=True)
-        if _key() is not None and not {ref.format, cand.format} & {"pytorch"}:
-            _fail(ctx, f"--key selects a state dict inside a PyTorch file; neither {printable(reference)} nor "
-                       f"{printable(candidate)} is one, so leave it out")
-        sources = [*ref.input_paths(), *cand.input_paths(), *named]
-        check_report_destinations(destinations, sources)
-        report = api.verify(ref, cand, rules=rules, provider=provider, atol=atol, rtol=rtol, seed=seed,
-                            config=config_path)
-    report.write(json_path=report_path, junit_path=junit_path, inputs=sources, on_note=_note)
+    report = api.verify(reference, candidate, rules=rules, provider=provider, atol=atol, rtol=rtol,
+                        shapes=parsed["--input"], dims=parsed["--dim"], inputs=inputs_file, seed=seed,
+                        config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note)
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)
@@ -763,17 +542,17 @@ def rules_group():
 @command(rules_group, "list")
 def rules_list():
     """Name each preset with its one-line description."""
-    names = preset_names()
-    width = max(len(n) for n in names)
-    for name in names:
-        click.echo(f"{name:<{width}}  {preset_description(name)}")
+    presets = api.presets()
+    width = max(len(n) for n in presets)
+    for name, description in presets.items():
+        click.echo(f"{name:<{width}}  {description}")
 
 
 @command(rules_group, "show")
 @click.argument("name")
 def rules_show(name):
     """Print a preset's rules file."""
-    click.echo(preset_text(name), nl=False)
+    click.echo(api.preset_text(name), nl=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,6 +1,16 @@
-"""Domain exceptions. The library raises these; only ``cli.py`` turns them into exit codes."""
+"""Domain exceptions, and how their messages name options.
+
+The library raises these; only ``cli.py`` turns them into exit codes. A message that says what
+to do names an option with :func:`option`, which speaks the caller's language: the command
+line's flags inside :func:`cli_vocabulary` (``--untie``), the API's keyword arguments elsewhere
+(``untie=True``)."""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+from typing import Iterator
 
 
 class FusectlError(Exception):
@@ -24,7 +34,7 @@ class TieError(PlanError):
 
 
 class OutputError(FusectlError):
-    """The output cannot be written (exists without --force, would overwrite an input)."""
+    """The output cannot be written (exists and may not be replaced, would overwrite an input)."""
 
 
 class VerifyError(FusectlError):
@@ -58,3 +68,90 @@ def quote(name: str) -> str:
     'a\\x1b[31mb'
     """
     return "'" + printable(name).replace("'", "\\'") + "'"
+
+
+# How a message names an option: the command line's flag or the API's keyword argument.
+# One row per option: its API name (the keyword argument), its flag, and whether it is an
+# on/off switch (``--untie`` / ``untie=True``), a value (``--config FILE`` / ``config="FILE"``)
+# or a repeatable value (``-r RULES`` / ``rules=["RULES"]``).
+_FLAG, _VALUE, _REPEATED = "flag", "value", "repeated"
+OPTIONS: dict[str, tuple[str, str, str]] = {
+    # api name: (flag, kind, placeholder)
+    "rules": ("-r", _REPEATED, "RULES"),
+    "untie": ("--untie", _FLAG, ""),
+    "detect_ties": ("--detect-ties", _FLAG, ""),
+    "write_ties_once": ("--write-ties-once", _FLAG, ""),
+    "follow_symlinks": ("--follow-symlinks", _FLAG, ""),
+    "force": ("--force", _FLAG, ""),
+    "config": ("--config", _VALUE, "FILE"),
+    "key": ("--key", _VALUE, "KEY"),
+    "max_shard_size": ("--max-shard-size", _VALUE, "SIZE"),
+    "out": ("-o", _VALUE, "OUT"),
+    "graph": ("--graph", _VALUE, "GRAPH"),
+    "provider": ("--provider", _VALUE, "PROVIDER"),
+    "atol": ("--atol", _VALUE, "TOLERANCE"),
+    "rtol": ("--rtol", _VALUE, "TOLERANCE"),
+    "shapes": ("--input", _REPEATED, "NAME=D0xD1x..."),
+    "dims": ("--dim", _REPEATED, "NAME=SIZE"),
+    "inputs": ("--inputs", _VALUE, "FILE"),
+    "seed": ("--seed", _VALUE, "N"),
+    "report": ("--report", _VALUE, "FILE"),
+    "junit": ("--junit", _VALUE, "FILE"),
+}
+
+_CLI, _API = "cli", "api"
+_vocabulary: contextvars.ContextVar[str] = contextvars.ContextVar("fusectl_vocabulary", default=_API)
+
+
+@contextlib.contextmanager
+def cli_vocabulary() -> Iterator[None]:
+    """Within this block, :func:`option` names options as the command line spells them (the
+    CLI runs every command inside it); outside, as the API's keyword arguments."""
+    token = _vocabulary.set(_CLI)
+    try:
+        yield
+    finally:
+        _vocabulary.reset(token)
+
+
+def option(name: str, value: object = None) -> str:
+    """Option ``name`` (the API's keyword argument) as the current caller writes it, to tell
+    them what to do: the command line's flag inside :func:`cli_vocabulary`, else the keyword.
+
+    >>> option("untie"), option("rules", "fp8-dequant"), option("config")
+    ('untie=True', 'rules=["fp8-dequant"]', 'config=...')
+    >>> with cli_vocabulary():
+    ...     option("untie"), option("rules", "fp8-dequant"), option("config")
+    ('--untie', '-r fp8-dequant', '--config FILE')
+    """
+    flag, kind, placeholder = OPTIONS[name]
+    if _vocabulary.get() == _CLI:
+        if kind == _FLAG:
+            return flag
+        return f"{flag} {placeholder if value is None else printable(str(value))}"
+    if kind == _FLAG:
+        return f"{name}=True"
+    if value is None:
+        return f"{name}=[...]" if kind == _REPEATED else f"{name}=..."
+    shown = json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)
+    return f"{name}=[{printable(shown)}]" if kind == _REPEATED else f"{name}={printable(shown)}"
+
+
+def option_name(name: str) -> str:
+    """Option ``name`` without a value, as the current caller spells it: ``--untie`` / ``untie``
+    (for a message that names the option, not one way to set it).
+
+    >>> option_name("max_shard_size")
+    'max_shard_size'
+    >>> with cli_vocabulary():
+    ...     option_name("max_shard_size")
+    '--max-shard-size'
+    """
+    OPTIONS[name]  # an unknown name is a bug here, not later
+    return OPTIONS[name][0] if _vocabulary.get() == _CLI else name
+
+
+def speaking_cli() -> bool:
+    """Whether messages now speak the command line's language (inside :func:`cli_vocabulary`),
+    for the rare message that names a whole command rather than an option."""
+    return _vocabulary.get() == _CLI

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import ComputeError, PlanError, TieError, quote
+from .errors import ComputeError, PlanError, TieError, option, quote
 from .ops import Op
 from .steps import Plan, Step, StepGroup
 from .table import ParamTable
@@ -281,7 +281,7 @@ def _judge_ties(table: ParamTable, group: StepGroup, untie: bool) -> tuple[tuple
             how = (f"uses {', '.join(repr(m) for m in hit)} but not {', '.join(repr(m) for m in rest)}"
                    if rest else "treats its members differently (one is combined with other tensors)")
             raise TieError(f"{group.describe()} {how} of the tied group {members}; this would break the "
-                           "tie. Pass --untie to write the members as separate copies")
+                           f"tie. Pass {option('untie')} to write the members as separate copies")
         untied.append(tuple(members))
     return tuple(untied)
 

@@ -699,3 +699,32 @@ def test_the_public_api_does_what_the_cli_does(tmp_path):
     assert_same_checkpoint(FIXTURES / LLAMA, back)
     with pytest.raises(fusectl.FusectlError, match="already exists"):
         fusectl.fuse(FIXTURES / LLAMA, ["llama-qkv"], fused)
+
+
+# ------------------------------------------------------------------------- the CLI is an edge
+
+CLI_MAY_IMPORT = {"fusectl", "fusectl.api", "fusectl.errors", "fusectl.version", "click"}
+
+
+def test_cli_imports_only_the_api_the_errors_the_version_click_and_the_standard_library():
+    import ast
+    import sys
+
+    import fusectl.cli
+
+    tree = ast.parse(open(fusectl.cli.__file__).read())
+    imported = set()
+    for node in ast.walk(tree):  # imports inside functions count too
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "fusectl" + (f".{node.module}" if node.module else "") if node.level else node.module
+            if node.level and node.module is None:  # from . import api
+                imported.update(f"fusectl.{alias.name}" for alias in node.names)
+            else:
+                imported.add(base)
+    assert imported, "the walk found no import at all"
+    outside = {name for name in imported
+               if name not in CLI_MAY_IMPORT and name.split(".")[0] not in sys.stdlib_module_names}
+    assert outside == set(), f"cli.py imports {sorted(outside)}; go through fusectl.api instead"
+    assert "fusectl.api" in imported

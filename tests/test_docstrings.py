@@ -26,10 +26,6 @@ DERIVED_FIELDS = {"parts", "has_bias"}
 SNIPPET_VARS = "[vars]\nheads = 4\nkv_heads = 2\n"
 SNIPPET = re.compile(r"^Rule::\n\n((?:    .*\n|\n)+)", re.M)
 
-# fusectl.__all__ functions whose docstrings do not yet name every parameter: api.py is
-# documented on another branch. Strict: a function documented since fails here until it is
-# taken out of this set.
-PARAMETERS_PENDING = {"convert", "export", "fuse", "map_names", "plan", "unfuse", "verify"}
 
 
 def _doc(op_cls) -> str:
@@ -92,14 +88,9 @@ def _public_functions():
 def test_the_package_face_has_functions_to_check():
     names = {name for name, _ in _public_functions()}
     assert {"fuse", "unfuse", "plan", "verify", "open_checkpoint"} <= names
-    assert PARAMETERS_PENDING <= names, "PARAMETERS_PENDING names a function fusectl no longer exports"
 
 
-@pytest.mark.parametrize(
-    "name,function",
-    [pytest.param(name, f, id=name, marks=[pytest.mark.xfail(strict=True, reason="api.py is documented on another branch")]
-                  if name in PARAMETERS_PENDING else []) for name, f in _public_functions()],
-)
+@pytest.mark.parametrize("name,function", [pytest.param(name, f, id=name) for name, f in _public_functions()])
 def test_public_function_documents_each_parameter(name, function):
     doc = inspect.getdoc(function) or ""
     assert doc, f"fusectl.{name} has no docstring"

@@ -86,6 +86,27 @@ class ExportReport:
                 "folded": self.folded, "rebound": self.rebound, "external_data": self.external_data,
                 "not_fused": self.not_fused, "kept_constants": self.kept_constants}
 
+    def to_text(self) -> str:
+        """What ``export`` prints: the output and its counts, each group left unfused and why,
+        and how many of the graph's own tensors were kept (the first graph-own ones named)."""
+        def names(items) -> str:
+            return ", ".join(printable(n) for n in items)
+
+        lines = [f"wrote {self.output}: {self.initializers} initializers; {self.fused_matmuls} fused MatMul/Gemm "
+                 f"group(s), {self.folded} folded step(s), {self.rebound} graph tensor use(s) rebound"
+                 + ("; external data" if self.external_data else "")]
+        for group in self.not_fused:
+            lines.append(f"not fused: {names(group['consumers'])} on parts of {printable(group['weight'])}: "
+                         f"{printable(group['why'])}")
+        kept = self.kept_constants
+        if kept:
+            whys = sorted({k["why"] for k in kept})
+            own = [k["name"] for k in kept if k["why"] == "graph-own"]
+            lines.append(f"kept {len(kept)} graph tensor(s) of its own: "
+                         + ", ".join(f"{sum(k['why'] == why for k in kept)} {why}" for why in whys)
+                         + (f" ({names(own[:5])}{', …' if len(own) > 5 else ''})" if own else ""))
+        return "\n".join(lines)
+
 
 def export_passes(ctx: ExportContext) -> Sequential:
     """The rewrite of ``ctx.model``, in the order it runs."""
