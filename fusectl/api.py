@@ -24,7 +24,7 @@ from .executor import run_plan
 from .adapters import ADAPTER_CONFIG, LoraConfig, make_adapter_plan
 from .config_edit import resolve_edits
 from .io.checkpoint import Checkpoint, Companion, adapter_config, open_checkpoint, read_config_text
-from .io.output import output_kind
+from .io.formats import output_kind
 from .steps import Plan, RuleOrigin
 from .planner import make_plan
 from .rules.inverse import InverseProof, invert_with_proof
