@@ -1,4 +1,8 @@
-"""Open any supported checkpoint into a ParamTable (headers only) with its ties and provenance."""
+"""Open any supported checkpoint into a ParamTable (headers only) with its ties and provenance.
+
+Which file is read, and how, is the format registry's (:mod:`fusectl.io.formats`): every
+format's reader returns one :class:`~fusectl.io.contents.Contents`, which this module turns into
+a :class:`Checkpoint` (ties, provenance, config, companions) without knowing the format."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from .formats import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # no
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
 from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
+
 
 @dataclass(frozen=True)
 class Companion:
