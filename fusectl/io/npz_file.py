@@ -12,9 +12,8 @@ import json
 import struct
 import zipfile
 import zlib
-from typing import BinaryIO, Callable
-
 from dataclasses import dataclass
+from typing import BinaryIO, Callable
 
 import numpy as np
 
