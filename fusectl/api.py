@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from .errors import OutputError, PlanError, VerifyError, option, option_name, printable, quote, speaking_cli
+from .errors import PlanError, VerifyError, option, option_name, printable, quote, speaking_cli
 from .executor import run_plan
 from .config_edit import resolve_edits
 from .inspection import InspectReport, inspect_checkpoint
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
-from .io.output import output_kind
+from .io.formats import output_kind
 from .steps import Plan, RuleOrigin
 from .planner import bind_and_lift
 from .reports import human, name_map_text, plan_json, plan_text

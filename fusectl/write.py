@@ -13,7 +13,8 @@ from .errors import OutputError
 from .executor import Evaluation, source_of
 from .io.checkpoint import Companion
 from .io.atomic import atomic_output
-from .io.output import open_writer, output_kind, plan_shards
+from .io.formats import output_format
+from .io.output import plan_shards
 from .io.provenance import METADATA_KEY, Provenance
 from .steps import Plan
 from .progress import Progress
@@ -73,18 +74,18 @@ def write_table(
     unique = table.written()
     sources = {name: source_of(tensor) for name, tensor in unique}
     unique.sort(key=lambda item: _source_key(sources[item[0]]))
-    kind = output_kind(out)
-    if max_shard_size is not None and kind != "folder":
+    output = output_format(out).output
+    if max_shard_size is not None and not output.folder:
         raise OutputError(f"{out}: --max-shard-size applies to folder outputs; drop it or write a folder")
-    shards = _cut_shards(unique, sources, kind, max_shard_size)
+    shards = _cut_shards(unique, sources, output.folder, max_shard_size)
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
     shard_metadata, index_metadata = output_metadata(table, plan, passthrough, lora_base)
     evaluation = Evaluation([t for _, t in unique])
     bar = Progress("writing", sum(t.spec.nbytes for _, t in unique), progress)
     copied = 0
     with atomic_output(out, force=force, inputs=inputs, on_note=on_note) as temp:
-        writer = open_writer(kind, temp, entry_shards, shard_metadata, index_metadata,
-                             companions if kind == "folder" else (), stem)
+        writer = output.open(temp, entry_shards, shard_metadata, index_metadata,
+                             companions if output.folder else (), stem)
         try:
             for name, tensor in (item for shard in shards for item in shard):
                 ranges = tensor.byte_ranges()
@@ -111,8 +112,8 @@ def _source_key(src: ByteRange | None) -> tuple:
     return (0, src.path, src.offset) if src else (1, "", 0)
 
 
-def _cut_shards(unique, sources: Mapping[str, ByteRange | None], kind: str, max_shard_size: int | None):
-    if kind != "folder":
+def _cut_shards(unique, sources: Mapping[str, ByteRange | None], folder: bool, max_shard_size: int | None):
+    if not folder:
         return [unique]
     if max_shard_size is None:
         files = {src.path for src in sources.values() if src is not None}

@@ -355,8 +355,9 @@ def test_npz_round_trip_every_dtype(tmp_path, dtype_name):
     arrays = {"a.w": sample(dtype_name, (3, 4), 1), "b": sample(dtype_name, (5,), 2), "s": sample(dtype_name, (), 3)}
     path = tmp_path / "x.npz"
     _write_npz(path, arrays, {"fusectl": "{}", "format": "pt"})
-    tensors, meta = read_npz(str(path))
-    assert meta == {"fusectl": "{}", "format": "pt"}
+    contents = read_npz(str(path))
+    tensors, meta = contents.tensors, contents.metadata
+    assert meta == {"fusectl": "{}", "format": "pt"} and contents.provenance_text == "{}"
     assert sorted(tensors) == sorted(arrays)
     for name, array in arrays.items():
         t = tensors[name]
@@ -385,8 +386,9 @@ def test_npz_written_by_numpy_is_read(tmp_path):
     np.savez(tmp_path / "plain.npz", a=a, b=b)
     np.savez_compressed(tmp_path / "packed.npz", a=a, b=b)
     for name in ("plain.npz", "packed.npz"):
-        tensors, meta = read_npz(str(tmp_path / name))
-        assert meta == {}
+        contents = read_npz(str(tmp_path / name))
+        tensors, meta = contents.tensors, contents.metadata
+        assert meta == {} and contents.provenance_text is None
         np.testing.assert_array_equal(tensors["a"].read(), a)
         np.testing.assert_array_equal(tensors["b"].read(), b)
 
@@ -394,7 +396,7 @@ def test_npz_written_by_numpy_is_read(tmp_path):
 def test_npz_uncompressed_members_are_zero_copy_ranges(tmp_path):
     arrays = {"w": sample("F32", (8, 8))}
     _write_npz(tmp_path / "x.npz", arrays)
-    tensors, _ = read_npz(str(tmp_path / "x.npz"))
+    tensors = read_npz(str(tmp_path / "x.npz")).tensors
     ranges = tensors["w"].byte_ranges()
     assert ranges is not None
     (r,) = ranges

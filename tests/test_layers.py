@@ -52,15 +52,6 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("onnx*", "verification*", "verification may import onnx, never the reverse"),
 )
 
-# Known violations another branch removes. The lead deletes each entry once that branch is
-# merged; an entry that no longer matches a violation fails test_no_stale_allowances.
-ALLOWED_UNTIL_MERGED: set[tuple[str, str]] = {
-    # io/checkpoint.py reads ONNX initializers through onnx/initializers.py (lazily, inside a
-    # function); the formats-registry branch moves ONNX reading into io/
-    ("io.checkpoint", "onnx.initializers"),
-}
-
-
 def modules() -> dict[str, Path]:
     """Every module of the package: dotted name below fusectl → its file."""
     found = {}
@@ -156,14 +147,8 @@ def test_every_module_has_a_layer():
 
 
 def test_no_import_runs_back_up_the_layers():
-    found = [(i, t, why) for i, t, why in violations() if (i, t) not in ALLOWED_UNTIL_MERGED]
+    found = violations()
     assert found == [], "\n".join(f"{show(i)} imports {show(t)} ({why})" for i, t, why in found)
-
-
-def test_no_stale_allowances():
-    """An allowance whose violation is gone must be deleted (so it cannot hide a new one)."""
-    present = {(i, t) for i, t, _ in violations()}
-    assert ALLOWED_UNTIL_MERGED <= present, f"delete from ALLOWED_UNTIL_MERGED: {ALLOWED_UNTIL_MERGED - present}"
 
 
 def test_level_five_is_acyclic():
@@ -196,7 +181,7 @@ def test_the_checker_catches_an_import_up_and_a_forbidden_one():
     assert check("io.provenance", "from fusectl import __version__") == [""]
     assert check("io.provenance", "from .. import api") == ["api"]
     assert check("onnx.namemap", "from ..verification.compare import default_tolerance") == ["verification.compare"]
-    assert check("io.checkpoint", "from ..onnx import initializers") == ["onnx.initializers"]
+    assert check("io.checkpoint", "from ..onnx import passes") == ["onnx.passes"]
     assert check("planner", "from .steps import Plan") == []
     assert check("verification.report", "import fusectl.onnx.graph") == []
 

@@ -1,4 +1,8 @@
-"""Open any supported checkpoint into a ParamTable (headers only) with its ties and provenance."""
+"""Open any supported checkpoint into a ParamTable (headers only) with its ties and provenance.
+
+Which file is read, and how, is the format registry's (:mod:`fusectl.io.formats`): every
+format's reader returns one :class:`~fusectl.io.contents.Contents`, which this module turns into
+a :class:`Checkpoint` (ties, provenance, config, companions) without knowing the format."""
 
 from __future__ import annotations
 
@@ -7,25 +11,14 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError, printable, quote
+from ..errors import CheckpointError, printable
 from ..followers import Followers, Source, detect
-from ..limits import check_limit
 from ..table import ParamTable
-from ..tensors import LazyTensor
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
+from .formats import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
-from .npz_file import read_npz
 from .provenance import METADATA_KEY, Provenance
-from .safetensors_file import read_header
-from .sniff import check_pytorch, is_pytorch
-from .untrusted import check_regular_file, load_json, open_input
-
-INDEX_SUFFIX = ".safetensors.index.json"
-TORCH_INDEX_SUFFIX = ".bin.index.json"  # pytorch_model.bin.index.json
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-# files that hold weights; everything else in a Hugging Face folder travels with the output
-WEIGHT_SUFFIXES = (".safetensors", INDEX_SUFFIX, TORCH_INDEX_SUFFIX, *TORCH_SUFFIXES, ".npz", ".onnx",
-                   ".onnx_data", ".msgpack", ".h5")
+from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
 
 
 @dataclass(frozen=True)
@@ -71,25 +64,6 @@ class Checkpoint:
         return [self.path, *self.files, *(c.source for c in self.companions), *config]
 
 
-def takes_key(path: str) -> bool:
-    """Whether ``path`` names a PyTorch file, whose state dict ``--key`` may select: a file with
-    a PyTorch suffix (.pt, .pth, .bin, .ckpt), or any other file whose suffix names no other
-    format and that holds what torch.save writes (``checkpoint.pth.tar``)."""
-    if not os.path.isfile(path) or _format_by_suffix(path) is not None:
-        return False
-    return path.endswith(TORCH_SUFFIXES) or is_pytorch(path)
-
-
-def _format_by_suffix(path: str) -> str | None:
-    """The format a file's suffix decides (every suffix but PyTorch's, whose files are told by
-    their content, under any name: ``.pth.tar``, ``.model``, none); None for the rest."""
-    for suffix, fmt in ((INDEX_SUFFIX, "safetensors-sharded"), (TORCH_INDEX_SUFFIX, "pytorch-sharded"),
-                        (".safetensors", "safetensors"), (".npz", "npz"), (".onnx", "onnx")):
-        if path.endswith(suffix):
-            return fmt
-    return None
-
-
 def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False,
                     key: str | None = None) -> Checkpoint:
     """Read headers of a safetensors file, sharded index, Hugging Face folder, npz archive,
@@ -111,43 +85,19 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     if os.path.isdir(path):
         folder = _model_folder(path, allow_outside_links)
         boundary = LinkBoundary.around(folder, allow_outside_links, named=path)
-        target = _pick_in_folder(folder)
+        target, fmt = pick_in_folder(folder)
         boundary.check(target)
         companions = list_companions(folder, boundary)
     else:
-        target = path
+        target, fmt = path, format_of(path)
         folder = os.path.dirname(os.path.abspath(path))
         boundary = LinkBoundary.around(folder, allow_outside_links)
 
-    source_aliases: dict[str, str] = {}
-    state_dict_key, ignored = None, []
-    fmt = _format_by_suffix(target) or "pytorch"
-    if key is not None and fmt != "pytorch":
+    if key is not None and not fmt.takes_key:
         raise CheckpointError(f"{target}: --key selects a state dict inside a PyTorch file (torch.save's, "
                               "under any name); this checkpoint is not one, so leave it out")
-    provenance_text = None
-    if fmt == "safetensors-sharded":
-        stored, metadata, files, index_meta, _ = _read_sharded(target, boundary, read_header)
-        provenance_text = index_meta.get(METADATA_KEY)
-    elif fmt == "pytorch-sharded":
-        stored, metadata, files, _, source_aliases = _read_sharded(target, boundary, _read_torch_shard)
-    elif fmt == "safetensors":
-        stored, metadata = read_header(target)
-        files = [target]
-        provenance_text = metadata.get(METADATA_KEY)
-    elif fmt == "npz":
-        stored, metadata = read_npz(target)
-        files = [target]
-        provenance_text = metadata.get(METADATA_KEY)
-    elif fmt == "onnx":
-        from ..onnx.initializers import read_initializers  # loads onnx-ir only for models
-
-        stored, data_files = read_initializers(target)
-        metadata, files = {}, [target, *data_files]
-    else:  # any other name: a PyTorch file when its content is one (sniff.py says what it is otherwise)
-        contents = _read_torch(target, key)
-        stored, metadata, files = contents.tensors, {}, [target]
-        source_aliases, state_dict_key, ignored = contents.aliases, contents.key, contents.ignored
+    contents = fmt.read(target, key=key, check_link=boundary.check)
+    stored, metadata, provenance_text = contents.tensors, contents.metadata, contents.provenance_text
 
     table = ParamTable.from_stored(stored)
     if provenance_text is not None and not isinstance(provenance_text, str):
@@ -161,7 +111,7 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
             config_path = beside
     config = _read_config(config_path) if config_path else None
     aliases = merge_aliases([
-        (f"{target} (shared storage)", source_aliases),
+        (f"{target} (shared storage)", contents.aliases),
         (f"{target} (fusectl provenance)", provenance.aliases if provenance else {}),
         (f"{target} (save_model metadata)", aliases_from_metadata(metadata, stored)),
         (f"{config_path} (tie_word_embeddings)", aliases_from_config(config, stored)),
@@ -170,8 +120,8 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     passthrough = {
         k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
     }
-    return Checkpoint(path, fmt, files, table, passthrough, provenance, config, config_path, companions,
-                      state_dict_key, ignored)
+    return Checkpoint(path, fmt.name, list(contents.files), table, passthrough, provenance, config, config_path,
+                      companions, contents.state_dict_key, list(contents.ignored))
 
 
 @dataclass(frozen=True)
@@ -300,21 +250,6 @@ def _loops(path: str) -> bool:
     return False
 
 
-def _read_json(path: str, what: str):
-    return load_json(_read_json_bytes(path, what), path, what)
-
-
-def _read_json_bytes(path: str, what: str) -> bytes:
-    try:
-        with open_input(path) as f:
-            check_limit("json-bytes", os.fstat(f.fileno()).st_size, path)
-            raw = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from e
-    check_limit("json-bytes", len(raw), path)
-    return raw
-
-
 def adapter_config(checkpoint: Checkpoint) -> tuple[str, str, dict] | None:
     """(path, text, parsed object) of a PEFT adapter folder's ``adapter_config.json`` (parsed
     within the JSON budgets); None for other checkpoints."""
@@ -331,36 +266,16 @@ def adapter_config(checkpoint: Checkpoint) -> tuple[str, str, dict] | None:
 def read_config_text(path: str) -> str:
     """The text of a config.json (as read for ``config:`` variables), for [config] edits."""
     try:
-        return _read_json_bytes(path, "the config").decode("utf-8")
+        return read_json_bytes(path, "the config").decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: the config is not UTF-8 ({e.reason})") from None
 
 
 def _read_config(path: str) -> dict:
-    config = _read_json(path, "the config")
+    config = read_json_file(path, "the config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config must be a JSON object")
     return config
-
-
-def _pick_in_folder(folder: str) -> str:
-    """The weights of a Hugging Face folder: safetensors first (an index, else one file), else
-    one .npz, else PyTorch's (``pytorch_model.bin.index.json``, else one .bin/.pt/.pth file)."""
-    names = sorted(os.listdir(folder))
-    by_preference = [
-        [n for n in names if n.endswith(INDEX_SUFFIX)],
-        [n for n in names if n.endswith(".safetensors")],
-        [n for n in names if n.endswith(".npz")],
-        [n for n in names if n.endswith(TORCH_INDEX_SUFFIX)],
-        [n for n in names if n.endswith(TORCH_SUFFIXES)],
-    ]
-    for found in by_preference:
-        if len(found) == 1:
-            return os.path.join(folder, found[0])
-        if found:
-            raise CheckpointError(f"{folder}: holds {', '.join(found)}; name the one to read instead of the folder")
-    raise CheckpointError(f"{folder}: holds no .safetensors, {INDEX_SUFFIX}, .npz, PyTorch "
-                          f"({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX}) file")
 
 
 def _model_folder(path: str, allow_outside_links: bool) -> str:
@@ -371,69 +286,3 @@ def _model_folder(path: str, allow_outside_links: bool) -> str:
     if repository is None or any(n.endswith(WEIGHT_SUFFIXES) for n in os.listdir(path)):
         return path
     return pick_snapshot(repository, LinkBoundary.around(repository, allow_outside_links).check)
-
-
-def _read_torch(path: str, key: str | None = None):
-    """read_torch, once the content shows a torch.save file (what it is otherwise is the error)."""
-    from .torch_file import read_torch
-
-    check_pytorch(path)
-    return read_torch(path, key)
-
-
-def _read_torch_shard(path: str):
-    contents = _read_torch(path)
-    return contents.tensors, {}, contents.aliases
-
-
-def _read_sharded(index_path: str, boundary: LinkBoundary, read_shard):
-    """The shards an index names, each read with ``read_shard(path)`` → (tensors, metadata) or
-    (tensors, metadata, aliases); the index must put every tensor in the shard that holds it."""
-    index = _read_json(index_path, "the index")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index_path}: no 'weight_map' object mapping tensor names to shard files")
-    if not weight_map:
-        raise CheckpointError(f"{index_path}: 'weight_map' is empty, so the index names no tensor; "
-                              "the file is truncated or corrupt")
-    check_limit("tensors", len(weight_map), index_path)
-    index_meta = index.get("metadata")
-    if index_meta is None:
-        index_meta = {}
-    if not isinstance(index_meta, dict):
-        raise CheckpointError(f"{index_path}: 'metadata' must be an object")
-    folder = os.path.dirname(index_path)
-    stored: dict[str, LazyTensor] = {}
-    holder: dict[str, str] = {}  # name -> the shard file holding it
-    metadata: dict[str, str] = {}
-    aliases: dict[str, str] = {}
-    files = []
-    for shard in sorted(set(weight_map.values())):
-        shard_path = os.path.join(folder, shard)
-        if os.path.basename(shard) != shard or shard in ("", ".", "..") or not shard.isprintable():
-            raise CheckpointError(f"{index_path}: shard {_shown(shard)} is not a file name beside the index")
-        if not os.path.lexists(shard_path):
-            raise CheckpointError(f"{index_path}: shard {_shown(shard)} is missing beside the index")
-        boundary.check(shard_path)
-        tensors, shard_meta, *shard_aliases = read_shard(shard_path)
-        files.append(shard_path)
-        check_limit("tensors", len(stored) + len(tensors), index_path)
-        for name in (*tensors, *(shard_aliases[0] if shard_aliases else ())):
-            if name in holder:
-                raise CheckpointError(f"{shard_path}: tensor {quote(name)} is also stored in another shard")
-            holder[name] = shard_path
-        stored.update(tensors)
-        aliases.update(shard_aliases[0] if shard_aliases else {})
-        metadata.update(shard_meta)
-    for name, shard in weight_map.items():
-        if holder.get(name) != os.path.join(folder, shard):
-            raise CheckpointError(
-                f"{index_path}: the index puts {_shown(name)} in {_shown(shard)}, which does not hold it"
-            )
-    return stored, metadata, files, index_meta, aliases
-
-
-def _shown(name: str) -> str:
-    """A name from an index, quoted for an error, and cut short: the index is not bounded by the
-    name budget the way a shard's header is."""
-    return quote(name) if len(name) <= 200 else quote(name[:200]) + f"... ({len(name)} characters)"

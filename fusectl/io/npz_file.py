@@ -1,4 +1,5 @@
-"""``.npz`` archives: lazy members (zero-copy ranges when stored uncompressed) and a streaming writer.
+"""``.npz`` archives: lazy members (zero-copy ranges when stored uncompressed), the npy header
+parser (also what ``verify --inputs`` reads arrays with), and a streaming writer.
 
 numpy's format has no bf16/fp8 types (ml_dtypes arrays save as raw ``|V2``), so fusectl writes
 those as unsigned integers of the same width and records the real dtypes in a
@@ -10,19 +11,53 @@ from __future__ import annotations
 import json
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
+from typing import BinaryIO, Callable
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, OutputError, printable, quote
 from ..limits import check_limit, limit
+from .contents import Contents
+from .provenance import METADATA_KEY
 from .untrusted import load_json, open_input
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
 
+SUFFIX = ".npz"
+NPY_MAGIC = b"\x93NUMPY"
 DTYPES_MEMBER = "__fusectl_dtypes__"
 METADATA_MEMBER = "__fusectl_metadata__"
 _RESERVED = (DTYPES_MEMBER, METADATA_MEMBER)
+# what zipfile, zlib and numpy's npy header reader raise for a damaged archive or member
+UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError,
+              struct.error, SyntaxError, RecursionError, MemoryError)
+_NPY_VERSIONS = ((1, 0), (2, 0), (3, 0))
+
+
+def read_npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, Fortran order, dtype, header bytes) of the npy stream ``f``, from its header alone;
+    one of :data:`UNREADABLE` for a damaged header or an npy version numpy does not write.
+
+    >>> import io
+    >>> buffer = io.BytesIO()
+    >>> np.save(buffer, np.zeros((2, 3), np.float32)); _ = buffer.seek(0)
+    >>> read_npy_header(buffer)[:3]
+    ((2, 3), False, dtype('float32'))
+    """
+    version = np.lib.format.read_magic(f)
+    if version not in _NPY_VERSIONS:
+        raise ValueError(f"npy format version {version[0]}.{version[1]} is not one numpy writes")
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read(f)
+    return tuple(shape), bool(fortran), dtype, f.tell()
+
+
+def member_name(info: zipfile.ZipInfo) -> str | None:
+    """The array name of an npz member (its file name without ``.npy``); None for a member that
+    is not an ``.npy`` array."""
+    return info.filename[: -len(".npy")] if info.filename.endswith(".npy") else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,9 +74,10 @@ class NpzMemberTensor(LazyTensor):
         return np.ascontiguousarray(array).view(self.spec.dtype.numpy).reshape(self.spec.shape)
 
 
-def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
-    """The tensors (lazy) and fusectl metadata of an npz archive (a regular file only), with
-    member count, name length, dimensions and decompressed sizes within fusectl's budgets."""
+def read_npz(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`Contents` of an npz archive (a regular file only): its tensors (lazy) and
+    fusectl metadata (which holds the provenance entry), with member count, name length,
+    dimensions and decompressed sizes within fusectl's budgets."""
     raw = open_input(path)
     try:
         zf = zipfile.ZipFile(raw)
@@ -55,9 +91,9 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
         check_limit("tensors", len(members), path)
         name_chars = limit("name-bytes") // 4
         for info in members:
-            if not info.filename.endswith(".npy"):
+            name = member_name(info)
+            if name is None:
                 raise CheckpointError(f"{path}: member {quote(info.filename[:200])} is not a .npy array")
-            name = info.filename[: -len(".npy")]
             where = f"{path}: array {quote(name[:200])}"
             if len(name) > name_chars:
                 check_limit("name-bytes", len(name.encode("utf-8", "surrogateescape")), where)
@@ -65,17 +101,12 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
                 check_limit("decompressed-bytes", info.file_size, where)
             try:
                 with zf.open(info) as f:
-                    version = np.lib.format.read_magic(f)
-                    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                                   else np.lib.format.read_array_header_2_0)
-                    shape, fortran, dtype = read_header(f)
-                    header_end = f.tell()
+                    shape, fortran, dtype, header_end = read_npy_header(f)
                     if name in _RESERVED:
                         check_limit("json-bytes", info.file_size, where)
                         extras[name] = f.read()
                         continue
-            except (ValueError, OSError, zipfile.BadZipFile, EOFError, SyntaxError, RecursionError,
-                    MemoryError, NotImplementedError) as e:
+            except UNREADABLE as e:
                 raise CheckpointError(f"{where}: unreadable ({printable(str(e)[:200])})") from e
             if dtype.hasobject:
                 raise CheckpointError(f"{where}: holds Python objects (pickle); fusectl never unpickles npz data")
@@ -115,7 +146,7 @@ def read_npz(path: str) -> tuple[dict[str, LazyTensor], dict[str, str]]:
             FileTensor(spec, tensor.location) if isinstance(tensor, FileTensor)
             else NpzMemberTensor(spec, tensor.path, tensor.member)
         )
-    return tensors, metadata
+    return Contents(tensors, [path], metadata, metadata.get(METADATA_KEY))
 
 
 def _string_map(extras: dict[str, bytes], member: str, path: str) -> dict[str, str]:

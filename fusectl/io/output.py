@@ -1,47 +1,73 @@
-"""Output layouts: a single safetensors file, a Hugging Face folder with shards, an npz file.
+"""Output layouts: a Hugging Face folder with shards, and the openers every writer is reached by.
 
-They are written at the temporary path that ``atomic.atomic_output`` renames into place."""
+A format's row (:data:`fusectl.io.formats.FORMATS`) names its :class:`Output`; the files are
+written at the temporary path that ``atomic.atomic_output`` renames into place.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
-from ..errors import OutputError
-from ..tensors import TensorSpec
-from .checkpoint import INDEX_SUFFIX, Companion
-from .npz_file import NpzWriter
-from .safetensors_file import SafetensorsWriter
+from ..tensors import ByteRange, TensorSpec
+from .safetensors_file import INDEX_SUFFIX, SafetensorsWriter
 
-# file names a user may mean as a single-file output that fusectl does not write: never
-# silently turn them into a folder
-_UNWRITTEN_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".onnx", ".h5", ".msgpack",
-                       ".gguf", ".json", ".safetensor", ".zip", ".tar")
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .checkpoint import Companion
+
+Entries = Sequence[tuple[str, TensorSpec]]
 
 
-def output_kind(path: str) -> str:
-    """``safetensors``, ``npz`` or ``folder``, from the output path's suffix."""
-    if path.endswith(".safetensors"):
-        return "safetensors"
-    if path.endswith(".npz"):
-        return "npz"
-    suffix = os.path.splitext(path.rstrip(os.sep))[1].lower()
-    if suffix in _UNWRITTEN_SUFFIXES:
-        raise OutputError(
-            f"{path}: fusectl writes .safetensors, .npz or a folder, not {suffix}; "
-            "choose OUT.safetensors, OUT.npz or a folder name"
-        )
-    return "folder"
+class TensorWriter(Protocol):
+    """What every output writes through: tensors in the declared order, then close (or abort)."""
+
+    def write(self, name: str, data: "np.ndarray | tuple[ByteRange, ...]") -> None: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class OpenWriter(Protocol):
+    """Opens an output at ``path``: ``shards`` are the entries cut into files (one for a
+    single-file output), ``shard_metadata(entries)`` gives each file's metadata,
+    ``index_metadata`` goes to every file (or to a sharded folder's index), ``companions`` are
+    copied into a folder, whose files are named after ``stem``."""
+
+    def __call__(self, path: str, shards: Sequence[Entries], shard_metadata: Callable[[Entries], dict[str, str]],
+                 index_metadata: Mapping[str, str], companions: "Sequence[Companion]" = (),
+                 stem: str = "model") -> TensorWriter: ...
+
+
+@dataclass(frozen=True)
+class Output:
+    """How a format is written: ``open`` makes its writer; ``folder``: a folder output (cut into
+    shards, companions copied), which is what an output path no file output claims becomes."""
+
+    open: OpenWriter
+    folder: bool = False
+
+
+def single_file(writer: Callable[[str, Entries, Mapping[str, str]], TensorWriter]) -> OpenWriter:
+    """The opener of a one-file output that ``writer(path, entries, metadata)`` writes."""
+
+    def open_file(path, shards, shard_metadata, index_metadata, companions=(), stem="model"):
+        (entries,) = shards
+        return writer(path, entries, {**shard_metadata(entries), **index_metadata})
+
+    return open_file
 
 
 class FolderWriter:
     """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
 
-    def __init__(self, folder: str, shards: Sequence[Sequence[tuple[str, TensorSpec]]],
-                 shard_metadata, index_metadata: Mapping[str, str], companions: Sequence[Companion],
-                 stem: str = "model"):
+    def __init__(self, folder: str, shards: Sequence[Entries], shard_metadata: Callable[[Entries], dict[str, str]],
+                 index_metadata: Mapping[str, str], companions: "Sequence[Companion]" = (), stem: str = "model"):
         os.makedirs(folder)
         for companion in companions:
             target = os.path.join(folder, companion.relative)
@@ -111,18 +137,3 @@ def plan_shards(entries: Sequence[tuple[str, TensorSpec]], max_size: int) -> lis
         shards[-1].append((name, spec))
         size += spec.nbytes
     return shards
-
-
-def open_writer(kind: str, path: str, shards, shard_metadata, index_metadata, companions, stem: str = "model"):
-    """A writer for ``kind``; ``shard_metadata(shard_entries)`` gives each file's metadata.
-
-    ``shards`` are the entries cut into files (one for a single-file output); a folder's files
-    are ``STEM.safetensors`` (``adapter_model`` for a LoRA adapter) or ``STEM-0000k-of-0000n``.
-    """
-    if kind == "safetensors":
-        (entries,) = shards
-        return SafetensorsWriter(path, entries, {**shard_metadata(entries), **index_metadata})
-    if kind == "npz":
-        (entries,) = shards
-        return NpzWriter(path, entries, {**shard_metadata(entries), **index_metadata})
-    return FolderWriter(path, shards, shard_metadata, index_metadata, companions, stem)

@@ -1,4 +1,5 @@
-"""safetensors: header parsing (lazy, validated) and a streaming writer.
+"""safetensors: header parsing (lazy, validated), the readers of a file and of a sharded index
+(:class:`~fusectl.io.contents.Contents`), and a streaming writer.
 
 The ``safetensors`` package loads whole tensors and cannot write a file tensor by tensor,
 so fusectl reads the (tiny, documented) header itself to keep each tensor's byte offsets,
@@ -13,20 +14,41 @@ import json
 import os
 import struct
 import threading
-from typing import BinaryIO, Mapping, Sequence
+from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, InternalError, quote
 from ..limits import check_limit, limit
+from .contents import Contents
+from .provenance import METADATA_KEY
+from .sharded import read_index
 from .untrusted import collector_paused, load_json, open_input
 from ..tensors import ByteRange, FileTensor, TensorSpec
 
 ALIGNMENT = 8
+SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"  # model.safetensors.index.json, beside its shards
 # the largest numbers safetensors (Rust usize) reads, and the largest dimension numpy can hold
 _USIZE_MAX = 2**64 - 1
 _DIM_MAX = 2**63 - 1
+
+
+def read_safetensors(path: str, key: str | None = None,
+                     check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`Contents` of one safetensors file: its tensors (lazy byte ranges) and
+    ``__metadata__``, which holds fusectl's provenance entry (:func:`read_header` says what is
+    validated)."""
+    tensors, metadata = read_header(path)
+    return Contents(tensors, [path], metadata, metadata.get(METADATA_KEY))
+
+
+def read_safetensors_index(path: str, key: str | None = None,
+                           check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`Contents` of a sharded safetensors checkpoint, from its index
+    (``model.safetensors.index.json``), whose ``metadata`` holds fusectl's provenance entry."""
+    return read_index(path, read_safetensors, check_link)
 
 
 def read_header(path: str) -> tuple[dict[str, FileTensor], dict[str, str]]:

@@ -50,6 +50,7 @@ protocol 2 writes ``bytes``; latin-1 only).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -57,7 +58,7 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import numpy as np
 
@@ -66,7 +67,10 @@ from ..dtypes import DType
 from ..errors import CheckpointError, printable, quote
 from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
+from .contents import Contents
 from .pickle_scan import Builds, NeedMore, call_bytes, scan
+from .sharded import read_index
+from .sniff import check_pytorch
 from .untrusted import collector_paused, open_input
 
 # the first pickle of a legacy file, and the version after it (torch/serialization.py)
@@ -90,6 +94,23 @@ class TorchContents:
     key: str | None  # dotted key of the state dict chosen inside the file's object (None: the top level)
     ignored: list[str]  # names of entries of the chosen state dict that are not tensors
     candidates: dict[str, int]  # dotted key ("" = top level) → tensor count, of every dict of tensors considered
+
+
+def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`Contents` of a PyTorch file, once its content shows what ``torch.save`` writes
+    (:func:`~fusectl.io.sniff.check_pytorch` says what it is otherwise): the state dict
+    :func:`read_torch` chooses (``key``), its storage aliases and the entries it ignored."""
+    check_pytorch(path)
+    found = read_torch(path, key)
+    return Contents(found.tensors, [path], aliases=found.aliases, state_dict_key=found.key, ignored=found.ignored)
+
+
+def read_pytorch_index(path: str, key: str | None = None,
+                       check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`Contents` of a sharded PyTorch checkpoint, from its index
+    (``pytorch_model.bin.index.json``); each shard's top-level state dict is read. fusectl
+    writes no PyTorch files, so the index's metadata holds no provenance of fusectl's."""
+    return dataclasses.replace(read_index(path, read_pytorch, check_link), provenance_text=None)
 
 
 def read_torch(path: str, key: str | None = None) -> TorchContents:

@@ -152,6 +152,25 @@ def load_json(text: bytes | str, where: str, what: str = "the JSON", *, object_p
         raise
 
 
+def read_json_file(path: str, what: str):
+    """The JSON in the file at ``path`` (a regular file within the ``json-bytes`` budget), parsed
+    by :func:`load_json`; ``what`` names it in errors (``"the index"``, ``"the config"``)."""
+    return load_json(read_json_bytes(path, what), path, what)
+
+
+def read_json_bytes(path: str, what: str) -> bytes:
+    """The bytes of the JSON file at ``path``, refused past the ``json-bytes`` budget before and
+    after reading (a file that grows while read is caught too)."""
+    try:
+        with open_input(path) as f:
+            check_limit("json-bytes", os.fstat(f.fileno()).st_size, path)
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what}: {e.strerror}") from e
+    check_limit("json-bytes", len(raw), path)
+    return raw
+
+
 def json_depth(raw: bytes, budget: int) -> int:
     """How deeply arrays and objects nest in the JSON text ``raw``, found without parsing:
     exact when over ``budget``, else an upper bound that is at most ``budget``.

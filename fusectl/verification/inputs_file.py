@@ -5,29 +5,25 @@ sizes and each npy header (shape × itemsize) are held to the ``verify-input-byt
 first; then names, ranks, fixed axes and dtypes are checked against the model (by
 :func:`fusectl.verification.runner.make_inputs`) from the headers alone; only an array that is fed
 is decompressed, into a buffer of the size its header declared. Python objects are never
-unpickled.
+unpickled. The archive is parsed by the npz reader's own header parser
+(:mod:`fusectl.io.npz_file`); the budgets and messages here are verify's.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import numpy as np
 
 from ..errors import VerifyError, printable, quote
-from ..limits import check_limit
+from ..io.npz_file import NPY_MAGIC, UNREADABLE, member_name, read_npy_header
 from ..io.untrusted import check_regular_file
+from ..limits import check_limit
 from .runner import one_line
 
-_NPY_MAGIC = b"\x93NUMPY"
-# what zipfile, zlib and numpy's npy header reader raise for a damaged archive
-_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, RuntimeError,
-               NotImplementedError, struct.error)
 _CHUNK = 1 << 22
 
 
@@ -79,7 +75,7 @@ class InputsFile(Mapping[str, np.ndarray]):
                         break
                     data[filled:filled + len(chunk)] = np.frombuffer(chunk, np.uint8)
                     filled += len(chunk)
-        except _UNREADABLE as e:
+        except UNREADABLE as e:
             raise VerifyError(f"{where} is unreadable ({one_line(e)}); the archive is truncated or corrupt") from e
         if filled != member.nbytes:
             raise VerifyError(f"{where} holds {filled} of its {member.nbytes} bytes; the archive is truncated")
@@ -104,11 +100,11 @@ def load_inputs_file(path: str | None) -> Mapping[str, np.ndarray]:
                        hint="pass an .npz of arrays named after the model's inputs")
     try:
         with open(path, "rb") as f:
-            if f.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+            if f.read(len(NPY_MAGIC)) == NPY_MAGIC:
                 raise VerifyError(f"{what}: a single .npy array, not an .npz of named arrays; save the inputs "
                                   "with np.savez(FILE, NAME=array, ...), one name per model input")
         archive = zipfile.ZipFile(path)
-    except _UNREADABLE as e:
+    except UNREADABLE as e:
         raise VerifyError(f"{what}: not a readable .npz archive ({one_line(e)}); pass an .npz of named "
                           "arrays, as np.savez writes") from e
     with archive:
@@ -129,29 +125,24 @@ def load_inputs_file(path: str | None) -> Mapping[str, np.ndarray]:
 
 
 def _read_header(f, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    """(shape, fortran order, dtype, header bytes) of the npy stream ``f``."""
+    """(shape, fortran order, dtype, header bytes) of the npy stream ``f`` (npz_file's parser)."""
     try:
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0), (3, 0)):
-            raise ValueError(f"npy format version {version[0]}.{version[1]} is not one numpy writes")
-        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read(f)
-    except _UNREADABLE as e:
+        return read_npy_header(f)
+    except UNREADABLE as e:
         raise VerifyError(f"{where} is unreadable ({one_line(e)}); the archive is truncated or corrupt") from e
-    return tuple(shape), bool(fortran), dtype, f.tell()
 
 
 def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, what: str) -> _Member:
     """One member as its header declares it, held to the budget before any data is read."""
-    if not info.filename.endswith(".npy"):
+    name = member_name(info)
+    if name is None:
         raise VerifyError(f"{what}: member {quote(info.filename)} is not an .npy array; "
                           "pass an .npz of named arrays, as np.savez writes")
-    name = info.filename[: -len(".npy")]
     where = f"{what}: array {quote(name)}"
     try:
         with archive.open(info) as f:
             shape, fortran, dtype, header_bytes = _read_header(f, where)
-    except _UNREADABLE as e:  # opening a member reads its local header
+    except UNREADABLE as e:  # opening a member reads its local header
         raise VerifyError(f"{where} is unreadable ({one_line(e)}); the archive is truncated or corrupt") from e
     if dtype.hasobject:
         raise VerifyError(f"{where} holds Python objects ({dtype}); fusectl never unpickles, so save numbers "

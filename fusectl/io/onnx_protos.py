@@ -18,7 +18,7 @@ import re
 import stat
 
 from ..errors import CheckpointError, printable, quote
-from ..io.untrusted import is_generated
+from .untrusted import is_generated
 from ..limits import check_limit
 
 # ONNX keeps sizes, offsets and lengths in int64
