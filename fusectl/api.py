@@ -225,7 +225,7 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
         if where is None:  # nothing to edit: the edits are not recorded either
             if on_note is not None:
                 on_note(f"{checkpoint.path} has no {file}: the rules' [config] edits are left out "
-                        "(give one with --config to edit it)")
+                        f"(give one with {option('config')} to edit it)")
             plan = Plan(tuple(g for g in plan.groups if g.config is None or g.config.file != file))
             continue
         text = texts[file][1] if file in texts else read_config_text(where)

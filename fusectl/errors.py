@@ -91,7 +91,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "provider": ("--provider", _VALUE, "PROVIDER"),
     "atol": ("--atol", _VALUE, "TOLERANCE"),
     "rtol": ("--rtol", _VALUE, "TOLERANCE"),
-    "shapes": ("--input", _REPEATED, "NAME=D0xD1x..."),
+    "shapes": ("--input", _REPEATED, "NAME=D0xD1..."),
     "dims": ("--dim", _REPEATED, "NAME=SIZE"),
     "inputs": ("--inputs", _VALUE, "FILE"),
     "seed": ("--seed", _VALUE, "N"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from .errors import OutputError
+from .errors import OutputError, option_name
 from .executor import Evaluation, source_of
 from .io.checkpoint import Companion
 from .io.atomic import atomic_output
@@ -76,7 +76,7 @@ def write_table(
     unique.sort(key=lambda item: _source_key(sources[item[0]]))
     output = output_format(out).output
     if max_shard_size is not None and not output.folder:
-        raise OutputError(f"{out}: --max-shard-size applies to folder outputs; drop it or write a folder")
+        raise OutputError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
     shards = _cut_shards(unique, sources, output.folder, max_shard_size)
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
     shard_metadata, index_metadata = output_metadata(table, plan, passthrough, lora_base)

@@ -149,7 +149,7 @@ def test_a_full_disk_while_recording_the_group_names_the_output_and_writes_nothi
 
 def test_each_output_of_a_group_needs_force_and_none_may_be_an_input(tmp_path):
     (tmp_path / "out.onnx.data").write_bytes(b"someone else's")
-    with pytest.raises(OutputError, match=r"out\.onnx\.data: already exists; pass --force"):
+    with pytest.raises(OutputError, match=r"out\.onnx\.data: already exists; pass force=True"):
         write_pair(tmp_path, force=False)
     data = str(tmp_path / "out.onnx.data")
     with pytest.raises(OutputError, match="would overwrite the input"):

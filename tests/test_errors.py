@@ -27,7 +27,7 @@ from fusectl.errors import OPTIONS, cli_vocabulary, option, option_name, printab
     ("max_shard_size", 5_000_000_000, "--max-shard-size 5000000000", "max_shard_size=5000000000"),
     ("atol", 1e-4, "--atol 0.0001", "atol=0.0001"),
     ("dims", None, "--dim NAME=SIZE", "dims=[...]"),
-    ("shapes", None, "--input NAME=D0xD1x...", "shapes=[...]"),
+    ("shapes", None, "--input NAME=D0xD1...", "shapes=[...]"),
     ("inputs", None, "--inputs FILE", "inputs=..."),
     ("report", None, "--report FILE", "report=..."),
 ])

@@ -117,7 +117,7 @@ def test_a_pytorch_file_is_told_by_its_content_under_any_name(tmp_path):
 def test_key_is_refused_for_every_row_that_does_not_take_it(tmp_path, name):
     path = sample(name, tmp_path)
     assert not takes_key(str(path))
-    with pytest.raises(CheckpointError, match="--key selects a state dict inside a PyTorch file"):
+    with pytest.raises(CheckpointError, match="key selects a state dict inside a PyTorch file"):
         open_checkpoint(str(path), key="model")
 
 

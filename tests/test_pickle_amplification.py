@@ -217,4 +217,4 @@ def test_the_default_budget_reads_real_checkpoints():
         try:
             read_torch(str(source))
         except CheckpointError as e:  # two fixtures need a key; none may hit a budget
-            assert "--key" in str(e), e
+            assert "pass key with" in str(e), e  # the API names its keyword

@@ -7,12 +7,37 @@ refusals. End-to-end runs through onnxruntime are in test_verify.py.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 
-from fusectl.errors import VerifyError
+from fusectl.errors import VerifyError, cli_vocabulary
 from fusectl.verification.runner import BATCH_DEFAULT, LENGTH_DEFAULT, DimensionSizes, resolve_shapes
 
 MASKED = {"ids": ("batch", "seq"), "mask": ("batch", "seq")}
+
+
+@pytest.fixture(autouse=True)
+def command_line_words():
+    """The sources are named as the command line spells them (--dim, --input, --inputs); the
+    API's words (dims, shapes, inputs) are tested once, below."""
+    with cli_vocabulary():
+        yield
+
+
+def test_through_the_api_the_sources_are_its_keyword_arguments():
+    """A new thread starts outside the fixture's vocabulary: there the API's words are used."""
+    def message(**sources) -> str:
+        try:
+            resolve_shapes(MASKED, **sources)
+        except VerifyError as e:
+            return str(e)
+        raise AssertionError("resolve_shapes did not refuse")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(message, shapes={"idz": (1, 2)}).result().startswith("shapes idz: the model has no input")
+        assert pool.submit(message, dims={"sequence": 3}).result().startswith("dims sequence: the model has no dynamic")
+    assert message(shapes={"idz": (1, 2)}).startswith("--input idz:")
 
 
 def fails(needle: str, declared=MASKED, **sources) -> str:

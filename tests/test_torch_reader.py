@@ -162,7 +162,7 @@ def test_ambiguous_training_dict_lists_the_candidates():
         read_torch(path)
     message = str(e.value)
     assert path in message and "'model' (23 tensors)" in message and "'ema' (23 tensors)" in message
-    assert "--key" in message and "'opt" not in message  # optimizer state is no candidate
+    assert "pass key with" in message and "'opt" not in message  # optimizer state is no candidate
     assert read_torch(path, "model").key == "model"
 
 

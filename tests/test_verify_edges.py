@@ -157,7 +157,7 @@ def test_onnxruntime_failing_while_running_is_exit_2(cli, tmp_path):
 @pytest.mark.parametrize("seed", ["7", 1.5, -1])
 def test_the_library_refuses_a_seed_that_is_not_a_whole_number(tmp_path, seed):
     model = str(_add(tmp_path / "m.onnx", np.zeros(4)))
-    with pytest.raises(VerifyError, match=r"--seed .*give a whole number >= 0"):
+    with pytest.raises(VerifyError, match=r"seed .*give a whole number >= 0"):
         verify_models(model, model, seed=seed)
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Mapping, NoReturn, Sequence
 
 import numpy as np
 
-from ..errors import PlanError, quote
+from ..errors import PlanError, option, quote
 from ..ops import Op
 from ..ops.dequantize import Grid, scale_grid
 from ..ops.layout import Drop, MergeEqual, Rename, Replicate, Stack, Transpose, Unstack
@@ -38,6 +38,11 @@ ROLES = ("weight_scale_inv", "weight_scale", "input_scale")
 
 # leaves of tensors that are scales, zero points or packed blocks of a quantized weight
 _SCALE_LIKE = re.compile(r"(^|_)(scale|scales|scale_inv|zero_point|zeros|qzeros|qweight|g_idx|blocks)(_\d+)?$")
+
+
+def _dequantize_hint() -> str:
+    """How to dequantize first, in the caller's words (``-r fp8-dequant``, ``rules=[...]``)."""
+    return option("rules", "fp8-dequant")
 
 
 def scale_name(weight: str, role: str) -> str:
@@ -319,12 +324,12 @@ class ScaleLift:
         if missing:
             raise PlanError(f"{self.describe}: {first.name!r} scales {step.inputs[self._present.index(first)]!r}, "
                             f"but {missing[0]!r} has no {scale_name(missing[0], self.role)!r}; the parts of one "
-                            "step must be quantized alike. Dequantize first (-r fp8-dequant)")
+                            f"step must be quantized alike. Dequantize first ({_dequantize_hint()})")
         for s in self.scales:
             if s.grid != first.grid or s.spec.dtype != first.spec.dtype:
                 raise PlanError(f"{self.describe}: {s.name!r} ({s.kind}, {s.spec}) and {first.name!r} ({first.kind}, "
                                 f"{first.spec}) are scales of different kinds; the parts of one step must be "
-                                "quantized alike. Dequantize first (-r fp8-dequant)")
+                                f"quantized alike. Dequantize first ({_dequantize_hint()})")
 
     # --- what an op may say --------------------------------------------------------------
 
@@ -332,7 +337,7 @@ class ScaleLift:
         s = self.scales[0]
         weight = self.step.inputs[self._present.index(s)]
         if "fp8-dequant" not in why:
-            why += "; dequantize first (-r fp8-dequant)"
+            why += f"; dequantize first ({_dequantize_hint()})"
         raise PlanError(f"{self.describe}: {weight!r} is quantized ({s.name!r}, {s.kind}); "
                         f"its {self.step.op.kind} step cannot carry the scale exactly: {why}")
 
@@ -380,7 +385,7 @@ class ScaleLift:
         if moved is None or any(m.reshape(-1).tolist() != b.tolist() for m, b in zip(moved, block_map)) \
                 or [o.shape[axis] for o in out_specs] != scale_out:
             self.refuse(f"its blocks of {g} along axis {axis} do not move as whole blocks; "
-                        "dequantize first (-r fp8-dequant)")
+                        f"dequantize first ({_dequantize_hint()})")
         self._add(op, self.scales, self.outputs, out_specs)
 
     def stack(self, axis: int) -> None:
@@ -473,6 +478,6 @@ class ScaleLift:
             detail = (f"{where}s {j}..{j + len(rows) - 1} of {step.outputs[o]!r} fall in one {g}-long block of "
                       f"its {self.role} but come from {where}s {int(local.min())}..{int(local.max())} of "
                       f"{step.inputs[parts[0]]!r}, which lie in different blocks or are split apart")
-        self.refuse(f"{detail}. Dequantize first (-r fp8-dequant), or use a layout whose parts "
+        self.refuse(f"{detail}. Dequantize first ({_dequantize_hint()}), or use a layout whose parts "
                     f"fill whole blocks of {g}")
 

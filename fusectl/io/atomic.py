@@ -57,7 +57,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from ..errors import OutputError
+from ..errors import OutputError, option
 
 Note = Callable[[str], None]
 
@@ -96,7 +96,7 @@ def atomic_output(path: str, *, force: bool, inputs: Sequence[str], on_note: Not
     _clean_stale(parent, group.names, note)
     for output, final in reversed(list(zip(outputs, finals))):
         if os.path.lexists(final) and not force:
-            raise OutputError(f"{output}: already exists; pass --force to replace it")
+            raise OutputError(f"{output}: already exists; pass {option('force')} to replace it")
     for name in group.names:
         _remove(group.temp(name))
     try:

@@ -11,7 +11,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError, printable
+from ..errors import CheckpointError, option, option_name, printable
 from ..followers import Followers, Source, detect
 from ..table import ParamTable
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
@@ -94,7 +94,7 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         boundary = LinkBoundary.around(folder, allow_outside_links)
 
     if key is not None and not fmt.takes_key:
-        raise CheckpointError(f"{target}: --key selects a state dict inside a PyTorch file (torch.save's, "
+        raise CheckpointError(f"{target}: {option_name('key')} selects a state dict inside a PyTorch file (torch.save's, "
                               "under any name); this checkpoint is not one, so leave it out")
     contents = fmt.read(target, key=key, check_link=boundary.check)
     stored, metadata, provenance_text = contents.tensors, contents.metadata, contents.provenance_text
@@ -176,7 +176,7 @@ class LinkBoundary:
             f"{printable(link)}: a link to {printable(target)} (that is {printable(real)}), outside the input "
             f"folder {printable(self.folder)}; fusectl follows links only inside the folder (or inside a Hugging "
             "Face cache repository) — copy the file into the folder, or allow links that leave it "
-            "(--follow-symlinks)"
+            f"({option('follow_symlinks')})"
         )
 
 

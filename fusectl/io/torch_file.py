@@ -64,7 +64,7 @@ import numpy as np
 
 from .. import dtypes
 from ..dtypes import DType
-from ..errors import CheckpointError, printable, quote
+from ..errors import CheckpointError, option_name, printable, quote
 from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 from .contents import Contents
@@ -752,7 +752,7 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
                                   f"{skipped}); fusectl reads a state dict, as torch.save(model.state_dict(), ...) "
                                   "writes")
         if len(pool) > 1:
-            raise CheckpointError(f"{where}: holds several dicts of tensors: {_listed(pool, candidates)}; pass --key "
+            raise CheckpointError(f"{where}: holds several dicts of tensors: {_listed(pool, candidates)}; pass {option_name('key')} "
                                   "with the dotted key of the state dict to read")
         key = pool[0]
     elif key not in found.dicts or not any(isinstance(v, _View) for v in found.dicts[key].values()):

@@ -8,7 +8,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from ..errors import ComputeError, PlanError, quote
+from ..errors import ComputeError, PlanError, option, quote
 from ..limits import check_limit
 from ..tensors import ByteRange, TensorSpec
 from .base import Op, RowMover, leading_ones, normalize_axis, same_dtype
@@ -867,7 +867,7 @@ class MergeEqual(Op):
                 raise ComputeError(
                     f"input {k + 1} holds {_few(other)} but input 1 holds {_few(first)}: one tensor can "
                     "stand for both only when they are equal (fusectl does not requantize); "
-                    "dequantize first (-r fp8-dequant)")
+                    f"dequantize first ({option('rules', 'fp8-dequant')})")
         return [first]
 
     def inverse(self, specs):

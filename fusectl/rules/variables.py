@@ -10,7 +10,7 @@ import ast
 import operator
 from typing import Callable, Mapping
 
-from ..errors import RuleError, printable
+from ..errors import RuleError, option, printable
 from ..limits import check_limit
 
 _BINARY = {
@@ -137,7 +137,7 @@ class Variables:
         if config is None:
             raise ConfigLookupError(
                 f"{where}: var {var!r} needs config key {key!r}, but there is no config.json "
-                "beside the checkpoint; pass --config FILE"
+                f"beside the checkpoint; pass {option('config')}"
             )
         if key not in config:
             raise ConfigLookupError(f"{where}: var {var!r} needs config key {key!r}, which config.json lacks")

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import FusectlError, PlanError, RuleError, VerifyError, printable, quote
+from ..errors import FusectlError, PlanError, RuleError, VerifyError, option, printable, quote
 from ..executor import Evaluation, apply_group, is_exact, run_plan
 from ..io.checkpoint import Checkpoint
 from ..steps import Plan, RuleOrigin, Step, StepGroup
@@ -168,7 +168,7 @@ def plan_for(candidate: Checkpoint, rulesets: Sequence, reference: Checkpoint) -
     if rulesets:
         return bind_and_lift(reference.table, reference.followers, rulesets, untie=True).plan
     if candidate.provenance is None or not candidate.provenance.plan.groups:
-        raise VerifyError(f"{candidate.path}: no fusectl provenance; pass -r RULES to say how it was made")
+        raise VerifyError(f"{candidate.path}: no fusectl provenance; pass {option('rules')} to say how it was made")
     plan = candidate.provenance.plan
     # a reference that was itself fused records the start of the candidate's history
     done = reference.provenance.plan.groups if reference.provenance else ()
@@ -258,7 +258,7 @@ def _recorded_rules(group: StepGroup, reference: Checkpoint):
     if not found:
         return ("the provenance records no rules text and names no shipped preset, so nothing says which "
                 "rule made these steps (a provenance written before fusectl recorded rules texts, or one "
-                "edited since); pass -r RULES with the rules it was fused with, or re-fuse with this fusectl")
+                f"edited since); pass {option('rules')} with the rules it was fused with, or re-fuse with this fusectl")
     return found
 
 

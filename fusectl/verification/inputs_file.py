@@ -18,7 +18,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from ..errors import VerifyError, printable, quote
+from ..errors import VerifyError, option_name, printable, quote
 from ..io.npz_file import NPY_MAGIC, UNREADABLE, member_name, read_npy_header
 from ..io.untrusted import check_regular_file
 from ..limits import check_limit
@@ -62,7 +62,7 @@ class InputsFile(Mapping[str, np.ndarray]):
 
     def __getitem__(self, name: str) -> np.ndarray:
         member = self._members[name]
-        where = f"--inputs {printable(self.path)}: array {quote(name)}"
+        where = f"{option_name('inputs')} {printable(self.path)}: array {quote(name)}"
         try:
             with zipfile.ZipFile(self.path) as archive, archive.open(member.info.filename) as f:
                 if _read_header(f, where)[:3] != (member.shape, member.fortran, member.dtype):
@@ -95,7 +95,7 @@ def load_inputs_file(path: str | None) -> Mapping[str, np.ndarray]:
     """
     if path is None:
         return {}
-    what = f"--inputs {printable(path)}"
+    what = f"{option_name('inputs')} {printable(path)}"
     check_regular_file(path, error=VerifyError, what=what,
                        hint="pass an .npz of arrays named after the model's inputs")
     try:

@@ -10,7 +10,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import VerifyError, printable
+from ..errors import VerifyError, option, option_name, printable
 from .input_ranges import DEFAULT, IntegerRange
 
 CPU = "CPUExecutionProvider"
@@ -51,9 +51,9 @@ def check_seed(seed: int) -> int:
     try:
         value = operator.index(seed)
     except TypeError:
-        raise VerifyError(f"--seed {seed!r}: give a whole number >= 0") from None
+        raise VerifyError(f"{option_name('seed')} {seed!r}: give a whole number >= 0") from None
     if value < 0:
-        raise VerifyError(f"--seed {value}: give a whole number >= 0 (numpy seeds are not negative)")
+        raise VerifyError(f"{option_name('seed')} {value}: give a whole number >= 0 (numpy seeds are not negative)")
     return value
 
 
@@ -65,8 +65,8 @@ def resolve_provider(choice: str) -> str:
     if choice == "cuda":
         if CUDA not in available:
             raise VerifyError(
-                f"--provider cuda: this onnxruntime has no CUDA provider (it has {', '.join(available)}); "
-                "install onnxruntime-gpu on a machine with an NVIDIA GPU, or use --provider cpu"
+                f"{option('provider', 'cuda')}: this onnxruntime has no CUDA provider (it has {', '.join(available)}); "
+                f"install onnxruntime-gpu on a machine with an NVIDIA GPU, or use {option('provider', 'cpu')}"
             )
         return CUDA
     return CUDA if CUDA in available else CPU
@@ -212,16 +212,16 @@ class DimensionSizes:
         what, declared, uses = self.what, self.declared, self.uses
         unknown = [n for n in self.shapes if n not in declared]
         if unknown:
-            raise VerifyError(f"--input {printable(unknown[0])}: {what} has no input named '{printable(unknown[0])}'; "
+            raise VerifyError(f"{option_name('shapes')} {printable(unknown[0])}: {what} has no input named '{printable(unknown[0])}'; "
                               f"its inputs are {', '.join(map(printable, declared)) or 'none'}")
         for name in self.dims:
             if name not in uses:
-                have = ", ".join(map(printable, uses)) if uses else "none (set whole shapes with --input NAME=D0xD1...)"
-                raise VerifyError(f"--dim {printable(name)}: {what} has no dynamic dimension named "
+                have = ", ".join(map(printable, uses)) if uses else f"none (set whole shapes with {option('shapes')})"
+                raise VerifyError(f"{option_name('dims')} {printable(name)}: {what} has no dynamic dimension named "
                                   f"'{printable(name)}'; its named dimensions are {have}")
         both = [n for n in self.shapes if n in self.given]
         if both:
-            raise VerifyError(f"--input {printable(both[0])}: --inputs already gives this input; give it one way")
+            raise VerifyError(f"{option_name('shapes')} {printable(both[0])}: {option_name('inputs')} already gives this input; give it one way")
 
     def bind(self, name: str, value: int, source: str, from_option: bool) -> None:
         """Dimension ``name`` is ``value`` by ``source``, unless a source before it set it."""
@@ -238,14 +238,14 @@ class DimensionSizes:
     def from_dim_options(self) -> None:
         """1. ``--dim NAME=SIZE``."""
         for name, value in self.dims.items():
-            self.bind(name, value, f"--dim {name}={value}", from_option=True)
+            self.bind(name, value, f"{option_name('dims')} {name}={value}", from_option=True)
 
     def from_input_options(self) -> None:
         """2. ``--input NAME=D0xD1...``: checked against the input's rank and fixed sizes."""
         for name, axes in self.declared.items():
             if name in self.shapes:
                 shape = self.shapes[name]
-                source = f"--input {name}={_shape_text(shape)}"
+                source = f"{option_name('shapes')} {name}={_shape_text(shape)}"
                 _check_axes(printable(source), name, axes, shape, self.what, "give {d} there", "")
                 for d, v in zip(axes, shape):
                     if isinstance(d, str):
@@ -257,7 +257,7 @@ class DimensionSizes:
             if name in self.given and len(self.given[name]) == len(axes):
                 for d, v in zip(axes, self.given[name]):
                     if isinstance(d, str):
-                        self.bind(d, v, f"--inputs array {name}", from_option=False)
+                        self.bind(d, v, f"{option_name('inputs')} array {name}", from_option=False)
 
     def from_other_model(self) -> None:
         """4. A fixed size of the other model's input on the same axis (of an input of the same rank)."""
@@ -311,7 +311,7 @@ def _check_given(sess, given: Mapping[str, tuple[tuple[int, ...], np.dtype]], wh
             continue
         shape, dtype = given[meta.name]
         axes = declared[meta.name]
-        where = f"--inputs array {printable(meta.name)} ({dtype}{list(shape)})"
+        where = f"{option_name('inputs')} array {printable(meta.name)} ({dtype}{list(shape)})"
         # onnxruntime reports an input of unknown rank as [], like a scalar: left to onnxruntime
         if axes:
             _check_axes(where, meta.name, axes, shape, what, "save it with {d} there",
@@ -340,14 +340,14 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
     for meta in sess.get_inputs():
         if not meta.type.startswith("tensor("):
             raise VerifyError(f"{printable(what)}: input {printable(meta.name)} has type {meta.type}; verify "
-                              "feeds tensors only (seeded random, or arrays from --inputs), so it cannot run "
+                              f"feeds tensors only (seeded random, or arrays from {option_name('inputs')}), so it cannot run "
                               "this model")
     declared = declared_shapes(sess)
     # an .npz may also hold expected outputs (as fixtures do): those are not fed, nor read
     known = set(declared) | {m.name for m in sess.get_outputs()}
     unknown = sorted(set(given) - known)
     if unknown:
-        raise VerifyError(f"--inputs: {unknown} are neither inputs nor outputs of {what}")
+        raise VerifyError(f"{option_name('inputs')}: {unknown} are neither inputs nor outputs of {what}")
     given_specs = {k: v for k, v in declared_arrays(given).items() if k in declared}
     _check_given(sess, given_specs, what)
     random_shapes, named = resolve_shapes(declared, shapes=shapes, dims=dims,
@@ -359,12 +359,12 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
         if meta.name in given_specs:
             continue
         if _NUMPY_OF_ORT.get(meta.type) is None:
-            raise VerifyError(f"{what}: input {printable(meta.name)} has type {meta.type}; pass it with --inputs FILE.npz")
+            raise VerifyError(f"{what}: input {printable(meta.name)} has type {meta.type}; pass it with {option('inputs', 'FILE.npz')}")
         shape = random_shapes[meta.name]
         if math.prod(shape) > MAX_RANDOM_ELEMENTS:
             raise VerifyError(f"input {printable(meta.name)} of shape {list(shape)} would hold {math.prod(shape)} "
                               f"elements, over the {MAX_RANDOM_ELEMENTS} allowed for a random input; "
-                              "give smaller --input/--dim sizes or pass arrays with --inputs")
+                              f"give smaller {option_name('shapes')}/{option_name('dims')} sizes or pass arrays with {option_name('inputs')}")
     feeds, specs = {}, []
     for meta in sess.get_inputs():
         if meta.name in given_specs:
