@@ -85,7 +85,14 @@ def test_the_sparse_attribute_list_is_walked():
     sparse = helper.make_sparse_tensor(numpy_helper.from_array(np.ones(1, np.float32), "v"),
                                        numpy_helper.from_array(np.array([0], np.int64), "i"), [2])
     node = helper.make_node("Custom", [], ["o"], name="n", domain="x", sparse_list=[sparse, sparse])
-    assert len(list(tensor_protos(model_of(nodes=[node])))) == 4
+    assert [label for label, _ in tensor_protos(model_of(nodes=[node]))] == \
+        ["tensor 'v'", "the indices of sparse tensor 'v'"] * 2
+
+
+def test_a_list_of_subgraphs_is_walked_body_by_body():
+    bodies = [helper.make_graph([], f"b{k}", [], [], [numpy_helper.from_array(W, f"w{k}")]) for k in range(2)]
+    node = helper.make_node("Custom", [], ["o"], name="n", domain="x", bodies=bodies)
+    assert [label for label, _ in tensor_protos(model_of(nodes=[node]))] == ["tensor 'w0'", "tensor 'w1'"]
 
 
 # ------------------------------------------------------------------- what passes
