@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from fusectl.errors import RuleError
 from fusectl.rules.origin import ConfigReads, load_origin, load_recorded_rules
 from fusectl.rules.presets import preset_text
 from fusectl.rules.variables import ConfigLookupError
@@ -71,3 +72,20 @@ def test_load_origin_of_a_record_missing_a_value_names_the_source_and_the_key():
     with pytest.raises(ConfigLookupError) as err:
         op.infer([], [])
     assert "out/provenance.json" in str(err.value) and "'hidden_size'" in str(err.value)
+
+
+@pytest.mark.parametrize("make", [lambda p: p.mkdir(), lambda p: p.write_bytes(b"version = 1\n\xff\xfe")],
+                         ids=["a folder", "not UTF-8"])
+def test_a_rules_path_that_cannot_be_read_is_refused_naming_it(tmp_path, make):
+    path = tmp_path / "rules.toml"
+    make(path)
+    with pytest.raises(RuleError) as err:
+        load_recorded_rules(str(path), {})
+    assert str(err.value).startswith(f"{path}: cannot read rules file (")
+
+
+def test_a_name_that_is_neither_a_file_nor_a_preset_lists_the_presets():
+    with pytest.raises(RuleError) as err:
+        load_recorded_rules("no-such-preset", {})
+    assert "'no-such-preset' is neither a rules file nor a preset; presets are " in str(err.value)
+    assert "llama-qkv" in str(err.value)
