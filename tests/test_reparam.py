@@ -506,6 +506,6 @@ def test_verify_probes_a_grouped_conv_transpose_fold(tmp_path):
     assert checks["passed"] is True
     probes = [c for c in checks["checks"] if c["kind"] == "probe"]
     assert len(probes) == 1 and probes[0]["passed"]
-    assert probes[0]["name"].startswith("rule 'up' (up.toml): bn_fold F32[4, 3, 3, 3]")
+    assert probes[0]["name"].startswith(f"rule 'up' ({rules}): bn_fold F32[4, 3, 3, 3]")
     # the layer's output: 4 input channels → 2 groups × 3, a 3×3 input grown by the 3×3 kernel
     assert "float32[1, 6, 5, 5]" in result.output
