@@ -380,3 +380,132 @@ def test_shifted_index_below_zero_is_an_error_naming_the_rule(tmp_path):
                      'input = "l.{i:int}.w"\noutput = "l.{i-1}.w"\n')
     _bad(tmp_path, {"l.0.w": np.ones(2, np.float32)}, rules, "rule 'back'")
     _bad(tmp_path, {"l.0.w": np.ones(2, np.float32)}, rules, "{i-1} with i = 0 is -1; no name has a negative index")
+
+
+# ------------------------------------------------------------------ refusals at plan time, op by op
+
+WN = ["l.weight_g", "l.weight_v"]
+
+
+def test_weight_norm_refuses_tensors_that_are_not_floating_point():
+    with pytest.raises(PlanError, match=r"^'l.weight_g' is I32; weight_norm_fold needs floating-point tensors$"):
+        WeightNormFold().infer([TensorSpec(BY_NAME["I32"], (4, 1)), _spec(4, 3)], WN)
+    with pytest.raises(PlanError, match=r"'w' is I8; weight_norm_unfold needs floating-point tensors"):
+        WeightNormUnfold().infer([TensorSpec(BY_NAME["I8"], (4, 3))], ["w"])
+
+
+def test_weight_norm_refuses_g_of_another_rank_than_v():
+    with pytest.raises(PlanError) as err:
+        WeightNormFold().infer([_spec(4), _spec(4, 3)], WN)
+    assert str(err.value) == ("'l.weight_g' has shape [4] but 'l.weight_v' has [4, 3]; g must have v's rank "
+                              "(size-1 axes but one) or be 0-d")
+
+
+@pytest.mark.parametrize("op", [WeightNormFold(dim="rows"), WeightNormUnfold(dim="rows"), WeightNormFold(dim=1.5)])
+def test_a_dim_that_is_not_an_integer_auto_or_none_is_refused(op):
+    specs = [_spec(4, 1), _spec(4, 3)] if op.kind == "weight_norm_fold" else [_spec(4, 3)]
+    with pytest.raises(PlanError, match=rf"^{op.kind}: dim = .*; use an integer, \"auto\" or \"none\"$"):
+        op.infer(specs, WN[:len(specs)])
+
+
+def test_an_explicit_dim_refuses_g_of_another_shape():
+    with pytest.raises(PlanError) as err:
+        WeightNormFold(dim=1).infer([_spec(4, 1), _spec(4, 3)], WN)
+    assert str(err.value) == "'l.weight_g' has shape [4, 1]; with dim 1 g must be [1, 3]"
+
+
+def test_g_and_v_must_agree_along_dim():
+    with pytest.raises(PlanError) as err:
+        WeightNormFold(dim=0).infer([_spec(3, 1), _spec(4, 2)], WN)
+    assert str(err.value) == "'l.weight_g' has 3 entries along dim 0, 'l.weight_v' has 4"
+
+
+def test_weight_norm_fold_inverts_from_the_rule_only_with_an_explicit_dim():
+    assert WeightNormFold(dim=1).inverse(None) == WeightNormUnfold(dim=1)
+    assert WeightNormFold(dim="none").inverse(None) == WeightNormUnfold(dim="none")
+    with pytest.raises(PlanError, match=r"dim = \"auto\" cannot be undone from the rule alone; set dim or unfuse "
+                                        "with the provenance"):
+        WeightNormFold().inverse(None)
+
+
+def test_weight_norm_unfold_needs_an_explicit_dim_and_gives_two_outputs():
+    op = WeightNormUnfold(dim="auto")
+    assert op.output_count([_spec(4, 3)]) == 2
+    with pytest.raises(PlanError, match=r"^weight_norm_unfold needs dim \(an integer or \"none\"\), not \"auto\"$"):
+        op.infer([_spec(4, 3)], ["w"])
+    assert WeightNormUnfold(dim="none").infer([_spec(4, 3)], ["w"]) == [_spec(), _spec(4, 3)]
+    with pytest.raises(PlanError, match=r"'w' has 2 dimensions; dim 2 is out of range"):
+        WeightNormUnfold(dim=2).infer([_spec(4, 3)], ["w"])
+
+
+SN = ["l.weight_orig", "l.weight_u", "l.weight_v"]
+
+
+def test_spectral_norm_refuses_u_or_v_that_are_not_vectors():
+    with pytest.raises(PlanError) as err:
+        SpectralNormFold().infer([_spec(4, 3), _spec(4, 1), _spec(3)], SN)
+    assert str(err.value) == "'l.weight_u' and 'l.weight_v' must be vectors (shapes [4, 1], [3])"
+
+
+@pytest.mark.parametrize("dim", [2, -3, "none"])
+def test_spectral_norm_refuses_a_dim_the_weight_does_not_have(dim):
+    with pytest.raises(PlanError, match=rf"^'l.weight_orig' has 2 dimensions; dim {dim} is invalid$"):
+        SpectralNormFold(dim=dim).infer([_spec(4, 3), _spec(4), _spec(3)], SN)
+
+
+@pytest.mark.parametrize("dim, words", [("auto", "no axis 0 or 1 fits"), (1, "no dim 1 fits")])
+def test_spectral_norm_refuses_vectors_that_fit_no_axis(dim, words):
+    with pytest.raises(PlanError) as err:
+        SpectralNormFold(dim=dim).infer([_spec(4, 3), _spec(5), _spec(3)], SN)
+    assert str(err.value) == f"'l.weight_orig' has shape [4, 3], but u has 5 and v 3 entries: {words}"
+
+
+def test_spectral_norm_accepts_the_dim_that_fits():
+    assert SpectralNormFold(dim=-1).infer([_spec(4, 3), _spec(3), _spec(4)], SN) == [_spec(4, 3)]
+
+
+BN = ["conv.weight", "conv.bias", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"]
+
+
+@pytest.mark.parametrize("op, weight, words", [
+    (BnFold(layer="linear"), (6, 2, 3), "'conv.weight' has shape [6, 2, 3]; a linear weight is (out, in)"),
+    (BnFold(layer="conv"), (6,), "'conv.weight' has shape [6]; a conv weight has at least 2 dimensions"),
+    (BnFold(layer="conv_transpose", groups=4), (6, 1, 3), "'conv.weight': 6 input channels do not split into "
+                                                          "4 groups"),
+    (BnFold(layer="conv_transpose", groups=0), (6, 1, 3), "'conv.weight': 6 input channels do not split into "
+                                                          "0 groups"),
+])
+def test_bn_fold_refuses_a_weight_that_is_not_its_layers(op, weight, words):
+    with pytest.raises(PlanError) as err:
+        op.infer([_spec(*weight)] + [_spec(6)] * 5, BN)
+    assert str(err.value) == words
+
+
+def test_bn_fold_refuses_statistics_of_the_wrong_length_with_a_conv_transpose_hint():
+    with pytest.raises(PlanError) as err:
+        BnFold(layer="conv").infer([_spec(6, 2, 3, 3), _spec(6), _spec(6), _spec(6), _spec(2), _spec(6)], BN)
+    assert str(err.value) == ("'bn.running_mean' has shape [2]; 'conv.weight' has 6 output channels as a conv "
+                              "weight; if 'conv.weight' is a ConvTranspose (its output channels are axis 1), "
+                              "write a bn_fold rule with layer = \"conv_transpose\"")
+
+
+def test_bn_fold_refuses_integer_statistics():
+    with pytest.raises(PlanError, match=r"'bn.running_var' is I64; bn_fold needs floating-point tensors"):
+        BnFold().infer([_spec(6, 2, 3)] + [_spec(6)] * 4 + [TensorSpec(BY_NAME["I64"], (6,))], BN)
+
+
+def test_verify_probes_a_grouped_conv_transpose_fold(tmp_path):
+    rules = tmp_path / "up.toml"
+    rules.write_text(CONVT_RULES.replace("{m}", "up").replace("GROUPS", "2"))
+    src = REPARAM / "convtranspose_bn.safetensors"
+    out = fuse(tmp_path, src, rules, extra=["--untie"])
+    report = tmp_path / "verify.json"
+    result = run("verify", src, out, "--report", report)
+    assert result.exit_code == 0, result.output
+    checks = json.loads(report.read_text())
+    assert checks["passed"] is True
+    probes = [c for c in checks["checks"] if c["kind"] == "probe"]
+    assert len(probes) == 1 and probes[0]["passed"]
+    assert probes[0]["name"].startswith(f"rule 'up' ({rules}): bn_fold F32[4, 3, 3, 3]")
+    # the layer's output: 4 input channels → 2 groups × 3, a 3×3 input grown by the 3×3 kernel
+    assert "float32[1, 6, 5, 5]" in result.output
