@@ -204,7 +204,10 @@ def base_view(table: ParamTable, modules: Mapping[str, LoraModule]) -> ParamTabl
 
 class LoraAdapter:
     """A PEFT LoRA adapter folder as a follower (``_protocols.Follower`` and ``View``): its
-    ``adapter_config.json`` read once when the checkpoint opened, parsed when first needed."""
+    ``adapter_config.json`` read once, when the checkpoint's followers are first asked for
+    (``Checkpoint.followers``), and parsed when first needed. It keeps no state of a plan
+    being lifted (:class:`_Lifting` is local to each call), so one opened checkpoint may be
+    planned from several threads."""
 
     kind = "lora"
     stem = "adapter_model"  # written as adapter_model.safetensors
@@ -213,7 +216,6 @@ class LoraAdapter:
         self.where, self.text, self.raw, self._table = where, text, raw, table
         self._history = history
         self._config: LoraConfig | None = None
-        self._lifting: _Lifting | None = None
 
     @classmethod
     def detect(cls, table: ParamTable, adapter_config: tuple[str, str, dict] | None,
@@ -243,9 +245,7 @@ class LoraAdapter:
     def lift(self, step: Step, group: Sequence[Step], table: ParamTable, describe: str) -> list[Step]:
         """The steps A and B take for one base ``step`` (on the base view's ``m.weight``
         names), on ``table``, the adapter as the steps before left it."""
-        if self._lifting is None or self._lifting.table is not table:
-            self._lifting = _Lifting(table, self.modules(table), self._history)
-        return self._lifting.lift(step, self.config, describe)
+        return _Lifting(table, self.modules(table), self._history).lift(step, self.config, describe)
 
     # --- the view ------------------------------------------------------------------------
 
@@ -260,18 +260,17 @@ class LoraAdapter:
         the last group rewrites ``adapter_config.json`` (target_modules, rank_pattern,
         alpha_pattern)."""
         current = table.copy()
-        self._lifting = lifting = _Lifting(current, self.modules(table), self._history)
+        lifting = _Lifting(current, self.modules(table), self._history)
         groups: list[StepGroup] = []
         for group in base.groups:
             if not group.steps:
                 continue  # a rules file's [config] edits the base's config.json, not the adapter's
-            steps = [s for step in group.steps for s in self.lift(step, group.steps, current, group.describe())]
+            steps = [s for step in group.steps for s in lifting.lift(step, self.config, group.describe())]
             groups.append(apply_group(current, StepGroup(group.rule, group.source, tuple(steps)), untie))
             lifting.made(steps)
         edit = _config_edit(self.config, self.text, lifting.modules)
         if edit is not None:
             groups.append(StepGroup("adapter_config", ADAPTER_CONFIG, (), config=edit))
-        self._lifting = None
         return Plan(tuple(groups)), current
 
 
