@@ -218,3 +218,14 @@ def test_map_names_the_innermost_reason_onnx_ir_cannot_load_a_model(cli, tmp_pat
     assert result.stderr.startswith(f"error: {model}: not a readable ONNX model (Map types are not supported")
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
     assert "SerdeError" not in result.stderr and "Error calling" not in result.stderr
+
+
+def test_initializer_views_skip_an_initializer_without_data():
+    """An initializer onnx-ir holds without a value (a model built in memory) has no view."""
+    import onnx_ir as ir
+
+    graph = ir.Graph([], [], nodes=[], name="g")
+    graph.initializers["empty"] = ir.Value(name="empty")
+    graph.register_initializer(ir.Value(name="w", const_value=ir.tensor(np.ones(2, np.float32))))
+    readers, specs = initializer_views(ir.Model(graph, ir_version=8))
+    assert specs == {"w": ("float32", (2,))} and list(readers) == ["w"]
