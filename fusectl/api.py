@@ -417,7 +417,9 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     :param follow_symlinks: follow links in an input folder that lead outside it.
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
     :returns: an :class:`~fusectl.inspection.InspectReport`: ``.to_json()`` is the object
-        ``inspect --json`` prints, ``.to_text()`` what ``inspect`` prints.
+        ``inspect --json`` prints, ``.to_text()`` what ``inspect`` prints (its hints, such as
+        how to choose another state dict, in the words of the caller rendering it: ``key`` here,
+        ``--key`` from the command line).
     :raises CheckpointError: a missing, corrupt or unknown file, or a ``key`` that names no
         state dict (or given for a file that is not PyTorch's).
 

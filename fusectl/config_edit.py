@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .errors import PlanError
+from .errors import PlanError, option_name
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ConfigEdit:
         """
         if self.before is None:
             raise PlanError("a [config] edit cannot be undone from the rules file alone (the values it removed "
-                            "are not in it); unfuse with the provenance instead of -r")
+                            f"are not in it); unfuse with the provenance instead of {option_name('rules')}")
         return ConfigEdit(restore=self.before, file=self.file)
 
     def describe(self) -> str:

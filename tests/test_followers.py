@@ -18,7 +18,7 @@ import pytest
 from fusectl.dtypes import BY_NAME
 from fusectl.errors import PlanError
 from fusectl.followers import KINDS, Followers, LoraAdapter, Riders, Scales, Source, detect
-from fusectl.followers.lora import PREFIX
+from fusectl.followers.lora import PREFIX, _Lifting
 from fusectl.followers.scales import QuantScheme
 from fusectl.followers.slabs import moved_ids
 from fusectl.ops import OPS
@@ -222,6 +222,12 @@ def _lora_case(op_kind: str, rng):
     return step, table, arrays, adapter
 
 
+def _lift_lora(adapter, step, table):
+    """The steps ``adapter`` lifts ``step`` to, and the adapted modules after it."""
+    lifting = _Lifting(table, adapter.modules(table), None)
+    return lifting.lift(step, adapter.config, RULE), lifting.modules
+
+
 def _delta(arrays, module: str, rank=RANK, alpha=ALPHA) -> np.ndarray:
     return (alpha / rank) * (arrays[_factor(module, "B")].astype(np.float64) @ arrays[_factor(module, "A")])
 
@@ -236,9 +242,9 @@ def test_a_lora_adapter_follows_each_op_or_the_op_is_refused_naming_the_rule_and
             adapter.lift(step, [step], table, RULE)
         assert "lora_B" in str(caught.value) or "a.weight_scale_inv" in str(caught.value)
         return
-    lifted = adapter.lift(step, [step], table, RULE)
+    assert adapter.lift(step, [step], table, RULE) == _lift_lora(adapter, step, table)[0]
+    lifted, modules = _lift_lora(adapter, step, table)
     after = _run(lifted, arrays)
-    modules = adapter._lifting.modules
     assert not any(n.startswith(f"{PREFIX}a.") or n.startswith(f"{PREFIX}b.") for n in after if n not in
                    {_factor(o[: -len('.weight')], f) for o in step.outputs for f in "AB"})
     want = step.op.apply([_delta(arrays, w[: -len(".weight")]) for w in step.inputs])
@@ -398,17 +404,17 @@ def test_whole_weights_saved_with_the_adapter_are_no_modules_and_claims_name_the
 def test_tied_a_factors_are_one_shared_factor_the_concat_keeps_rank_r():
     adapter, table = _adapter({**_factors("a"), **_factors("b")})
     table.tie([_factor("a", "A"), _factor("b", "A")], keep=_factor("a", "A"))
-    lifted = adapter.lift(_lora_step(Concat(axis=0), ["a", "b"], ["o"]), [], table, RULE)
+    lifted, modules = _lift_lora(adapter, _lora_step(Concat(axis=0), ["a", "b"], ["o"]), table)
     assert [s.op.kind for s in lifted] == ["concat", "merge_equal"]
-    assert adapter._lifting.modules["o"].rank == RANK
+    assert modules["o"].rank == RANK
 
 
 def test_a_column_concat_is_the_mirror_image_block_diagonal_a_and_b_side_by_side():
     adapter, table = _adapter({**_factors("a"), **_factors("b")})
-    lifted = adapter.lift(_lora_step(Concat(axis=1), ["a", "b"], ["o"]), [], table, RULE)
+    lifted, modules = _lift_lora(adapter, _lora_step(Concat(axis=1), ["a", "b"], ["o"]), table)
     assert [(s.op.kind, s.outputs) for s in lifted] == [("block_diagonal", (_factor("o", "A"),)),
                                                         ("concat", (_factor("o", "B"),))]
-    assert lifted[1].op == Concat(axis=1) and adapter._lifting.modules["o"].rank == 2 * RANK
+    assert lifted[1].op == Concat(axis=1) and modules["o"].rank == 2 * RANK
 
 
 def test_lora_refusals_name_the_rule_and_the_factor():

@@ -20,7 +20,7 @@ from fusectl.dtypes import BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops.dequantize import Dequantize, expand_scale, scale_grid
 from fusectl.steps import Step
-from fusectl.followers.scales import QuantScheme, scale_name, scheme_from, with_scales
+from fusectl.followers.scales import QuantScheme, Scales, scale_name, scheme_from
 from fusectl.table import ParamTable
 from fusectl.tensors import TensorSpec
 
@@ -338,7 +338,7 @@ def _lift(op, inputs, outputs, entries, block=(128, 128)):
     table = _table(entries)
     specs = tuple(table.spec(n) for n in inputs)
     step = Step(op, tuple(inputs), tuple(outputs), specs, tuple(op.infer(specs, inputs)))
-    return with_scales([step], table, QuantScheme(block, "test"), "rule 'r' (test)")[1:]
+    return Scales(scheme=QuantScheme(block, "test")).lift(step, [step], table, "rule 'r' (test)")
 
 
 def test_reorder_of_whole_blocks_reorders_the_scale_grid():

@@ -34,7 +34,7 @@ def test_a_concat_over_a_placeholder_is_not_inverted_from_the_rule():
         invert_rule(rule)
     assert str(e.value) == (
         f"rule 'c' ({SRC}): a concat over {{e}} cannot be undone from the rule alone; "
-        "unfuse with the provenance instead of -r")
+        "unfuse with the provenance instead of rules")  # the API names its keyword
 
 
 def test_the_ops_say_which_gatherings_their_rules_cannot_invert():

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
+from ..errors import InternalError
 from ..steps import Plan, Step
 from ..table import ParamTable
 from .lora import LoraAdapter
@@ -61,6 +62,9 @@ class Followers:
         self._found = tuple(found)
         self.followers = tuple(f for _, f in self._found)
         views = [f for kind, f in self._found if not kind.rides]
+        if len(views) > 1:  # two views would each replace the base: no plan could serve both
+            raise InternalError(f"followers {[v.kind for v in views]} are all views of one checkpoint; "
+                                "KINDS must not detect two views at once")
         self.view = views[0] if views else None
 
     def riders(self, rulesets: Sequence = (), origin=None) -> "Riders":

@@ -173,7 +173,7 @@ def quantization_report(table: ParamTable, config: Mapping | None) -> dict | Non
 
 def scale_step_of(step: Step, steps: Sequence[Step]) -> Step | None:
     """The step among ``steps`` that moves the weight scales (``weight_scale_inv`` or
-    ``weight_scale``) of ``step``'s weights, as ``with_scales`` planned it; None if none does."""
+    ``weight_scale``) of ``step``'s weights, as :meth:`Scales.lift` planned it; None if none does."""
     for role in ("weight_scale_inv", "weight_scale"):
         names = tuple(scale_name(n, role) for n in step.inputs)
         for other in steps:
@@ -294,12 +294,6 @@ class Scales:
         if self._modules is None or self._modules[0] is not group:
             self._modules = (group, _Modules(table.names()) if table.entries else None)
         return self._modules[1]
-
-
-def with_scales(steps: Sequence[Step], table: ParamTable, scheme: QuantScheme, describe: str) -> list[Step]:
-    """One rule's steps (bound to ``table``), each followed by the steps its scales take."""
-    scales = Scales(scheme=scheme)
-    return [lifted for step in steps for lifted in (step, *scales.lift(step, steps, table, describe))]
 
 
 class ScaleLift:

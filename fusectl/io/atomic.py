@@ -57,7 +57,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from ..errors import OutputError, option
+from ..errors import OutputError, option, option_name
 
 Note = Callable[[str], None]
 
@@ -108,7 +108,7 @@ def atomic_output(path: str, *, force: bool, inputs: Sequence[str], on_note: Not
         except OSError as e:
             if e.errno in _NO_SPACE:
                 raise OutputError(f"{path}: {e.strerror} while writing it; nothing was written. "
-                                  "Free some space (or choose another -o) and run again") from e
+                                  f"Free some space (or choose another {option_name('out')}) and run again") from e
             raise
         group.swap_in()
     finally:
@@ -227,10 +227,10 @@ def _refuse_input(output: str, target: str, inputs: Sequence[str]) -> None:
     for source in inputs:
         source = os.path.realpath(source)
         if target == source or source.startswith(target.rstrip(os.sep) + os.sep):
-            raise OutputError(f"{output}: the output would overwrite the input {source}; choose another -o")
+            raise OutputError(f"{output}: the output would overwrite the input {source}; choose another {option_name('out')}")
         if os.path.isdir(source) and target.startswith(source.rstrip(os.sep) + os.sep):
             raise OutputError(f"{output}: the output would land inside the input folder {source}; "
-                              "choose another -o")
+                              f"choose another {option_name('out')}")
 
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

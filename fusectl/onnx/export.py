@@ -43,7 +43,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InvariantError, PassError, PassResult, Sequential
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from ..errors import OutputError, printable
+from ..errors import OutputError, printable, speaking_cli
 from ..io.atomic import atomic_output, temporary_name
 from ..io.checkpoint import Checkpoint
 from .export_context import ExportContext, ExportError, IRBuilder
@@ -150,7 +150,8 @@ def check_onnx_output(out: str) -> None:
         return
     suffix = os.path.splitext(out.rstrip(os.sep))[1]
     what = f"not {printable(suffix)}" if suffix else "a name without the .onnx suffix"
-    raise OutputError(f"{printable(out)}: fusectl export writes an ONNX model, {what}; choose OUT.onnx")
+    command = "fusectl export" if speaking_cli() else "fusectl.export"
+    raise OutputError(f"{printable(out)}: {command} writes an ONNX model, {what}; choose OUT.onnx")
 
 
 def run_passes(passes: Sequential, model: ir.Model) -> PassResult:

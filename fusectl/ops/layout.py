@@ -8,7 +8,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from ..errors import ComputeError, PlanError, option, quote
+from ..errors import ComputeError, PlanError, option, option_name, quote
 from ..limits import check_limit
 from ..tensors import ByteRange, TensorSpec
 from .base import Op, RowMover, leading_ones, normalize_axis, same_dtype
@@ -30,7 +30,7 @@ def slice_ranges(ranges: Sequence[ByteRange], start: int, length: int) -> tuple[
 def _declared_sizes(op: Op) -> tuple[int, ...]:
     if op.sizes is None:
         raise PlanError(f"{op.kind} without sizes cannot be undone from the rule alone; add "
-                        "sizes = [...] to the rule or unfuse with the provenance instead of -r")
+                        f"sizes = [...] to the rule or unfuse with the provenance instead of {option_name('rules')}")
     return op.sizes
 
 
@@ -208,7 +208,7 @@ class Concat(RowMover, Op):
         if over is None:
             return None
         return (f"a concat over {{{over}}} cannot be undone from the rule alone; "
-                "unfuse with the provenance instead of -r")
+                f"unfuse with the provenance instead of {option_name('rules')}")
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         axis = self.op_axis(len(input_specs[0].shape))
@@ -669,7 +669,7 @@ class Reshape(Op):
     def inverse(self, specs):
         if specs is None:
             raise PlanError("reshape cannot be undone from the rule alone (the original shape is "
-                            "not in it); unfuse with the provenance instead of -r")
+                            f"not in it); unfuse with the provenance instead of {option_name('rules')}")
         return Reshape(shape=specs[0].shape)
 
     def lift(self, lift):
@@ -866,8 +866,10 @@ class MergeEqual(Op):
             if first.tobytes() != other.tobytes():
                 raise ComputeError(
                     f"input {k + 1} holds {_few(other)} but input 1 holds {_few(first)}: one tensor can "
-                    "stand for both only when they are equal (fusectl does not requantize); "
-                    f"dequantize first ({option('rules', 'fp8-dequant')})")
+                    "stand for both only when they are equal (fusectl does not requantize scales or "
+                    f"re-factor adapters): for scales, dequantize first ({option('rules', 'fp8-dequant')}); "
+                    "for LoRA factors the provenance records as one replicated tensor, the file was edited "
+                    "since it was written")
         return [first]
 
     def inverse(self, specs):
@@ -875,7 +877,7 @@ class MergeEqual(Op):
 
     def rule_inverse_problem(self, over):
         return ("a merge_equal cannot be undone from the rule alone (the number of copies is not "
-                "in it); unfuse with the provenance instead of -r")
+                f"in it); unfuse with the provenance instead of {option_name('rules')}")
 
     def onnx_unfuse(self, b, input_specs, output_specs, fused):
         return [b.one("Identity", [fused[0]]) for _ in input_specs]

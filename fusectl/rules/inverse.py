@@ -25,12 +25,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ..errors import PlanError, quote
+from ..errors import PlanError, option_name, quote, speaking_cli
 from ..steps import Plan, RuleOrigin, Step
 from .schema import Rule, RuleSet
 
-_USE_PROVENANCE = ("unfuse a checkpoint fusectl fused without -r (`fusectl unfuse CKPT -o OUT` inverts "
-                   "its recorded provenance, which says which tensors each rule made)")
+def _use_provenance() -> str:
+    """How to unfuse from the provenance instead, in the caller's words."""
+    how = "`fusectl unfuse CKPT -o OUT`" if speaking_cli() else "`fusectl.unfuse(ckpt, out)`"
+    return (f"unfuse a checkpoint fusectl fused without {option_name('rules')} ({how} inverts its recorded "
+            "provenance, which says which tensors each rule made)")
 
 
 def invert_rule(rule: Rule) -> Rule:
@@ -51,7 +54,8 @@ def invert_rule(rule: Rule) -> Rule:
         if dropped:
             raise PlanError(
                 f"{rule.describe()}: its output {rule.outputs[0].text!r} drops {{{dropped[0]}}}, so the "
-                "rule alone cannot say which name to go back to; unfuse with the provenance instead of -r"
+                f"rule alone cannot say which name to go back to; unfuse with the provenance instead of "
+                f"{option_name('rules')}"
             )
     # every invertible op maps the forward rule's outputs back to its inputs
     return replace(rule, name=f"{rule.name} (inverse)", op=op,
@@ -110,8 +114,8 @@ class InverseProof:
                 f"{rule.describe()}: {quote(step.inputs[0])} may be a tensor the forward rule left alone, "
                 f"and {self._where} has no fusectl provenance to tell (names cannot: a tensor "
                 f"{forward.describe()} never touched has the name of one it made), so undoing it into "
-                f"{_names(step.outputs)} would be a guess; {_USE_PROVENANCE}, or "
-                "write the conversion as forward rules for `fusectl fuse`")
+                f"{_names(step.outputs)} would be a guess; {_use_provenance()}, or "
+                f"write the conversion as forward rules for {'`fusectl fuse`' if speaking_cli() else '`fusectl.fuse`'}")
         return self._by_provenance(rule, forward, step, self._recorded_groups(forward, origin))
 
     def nothing_admitted(self, rule: Rule) -> PlanError:
@@ -121,7 +125,7 @@ class InverseProof:
         return PlanError(
             f"{rule.describe()}: every tensor it matches is one the provenance of {self._where} says "
             f"{forward.describe()} did not make, so there is nothing of it to undo; check the rules, or "
-            f"{_USE_PROVENANCE}")
+            f"{_use_provenance()}")
 
     def _recorded_groups(self, forward: Rule, origin: RuleOrigin) -> set[int]:
         def made_by(group) -> bool:
@@ -147,7 +151,7 @@ class InverseProof:
             f"{rule.describe()}: would make {_names(step.outputs)} from {_names(step.inputs)}, but the "
             f"provenance of {self._where} records {forward.describe()} making {_names(recorded.outputs)} "
             f"from {_names(recorded.inputs)} ({recorded.op.kind}); the rules do not fit what was recorded. "
-            f"{_USE_PROVENANCE[0].upper()}{_USE_PROVENANCE[1:]}")
+            f"U{_use_provenance()[1:]}")
 
 
 def _undoes(forward: Rule, recorded: Step, step: Step) -> bool:
