@@ -28,7 +28,6 @@ from ..rules.schema import load_rules
 from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
 from .compare import check_tolerance, compare
-from ..followers.scales import scheme_from
 from .adapter_probes import adapter_probes
 from .probes import run_probes
 from .report import Check, VerifyReport
@@ -141,7 +140,7 @@ def verify_checkpoints(
     if recorded:
         report.checks += rule_checks(reference, plan, adapter=lora_base is not None)
     probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
-                                      scheme_from(reference.config))
+                                      reference.followers.of("scales").scheme)
     report.provider = chosen
     report.checks += probe_checks
     if lora_base is not None:
