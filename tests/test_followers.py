@@ -478,3 +478,13 @@ def test_a_checkpoints_followers_are_detected_once(monkeypatch):
     assert checkpoint.followers is checkpoint.followers
     assert len(calls) == 1 and isinstance(checkpoint.followers.view, LoraAdapter)
     assert isinstance(checkpoint.followers, fusectl.followers.Followers)
+
+
+def test_two_views_of_one_checkpoint_are_a_bug_in_the_registry_not_a_plan():
+    """A view replaces the base, so two at once could not both be served: Followers refuses."""
+    from fusectl.errors import InternalError
+
+    lora = next(k for k in KINDS if k.name == "lora")
+    with pytest.raises(InternalError, match="are all views of one checkpoint"):
+        Followers([(lora, LoraAdapter("a/adapter_config.json", "{}", {}, None)),
+                   (lora, LoraAdapter("b/adapter_config.json", "{}", {}, None))])
