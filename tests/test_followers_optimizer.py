@@ -173,3 +173,26 @@ def test_a_fold_on_a_training_checkpoint_is_refused_with_exit_2_and_nothing_writ
     assert result.exit_code == 2
     assert "optimizer state (Adam/AdamW" in result.stderr and "bn_fold computes" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["order.json"]
+
+
+# --- inspect --------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_the_optimizer_its_groups_state_keys_and_where_the_order_came_from(tmp_path):
+    order = _order(tmp_path)
+    report = api.inspect(str(TORCH / "model-state.pt"), param_order=order).to_json()["optimizer"]
+    assert report["where"] == "optimizer_state" and report["kind"] == "SGD" and report["exact"] is True
+    assert report["order_from"] == order and report["problem"] is None
+    assert report["groups"][0]["params"] == 17 and report["groups"][0]["hyperparameters"]["momentum"] == 0.9
+    assert report["parameters"]["cnn.0.weight"] == {"id": 0, "group": 0, "state": ["momentum_buffer"]}
+    text = api.inspect(str(TORCH / "model-state.pt"), param_order=order).to_text()
+    assert "optimizer: optimizer_state: SGD, 1 group(s), moves exactly" in text and f"order from {order}" in text
+
+
+def test_inspect_shows_an_optimizer_it_cannot_map_with_the_problem_and_none_where_there_is_none():
+    report = api.inspect(str(TORCH / "training.pt")).to_json()
+    assert report["optimizer"]["kind"] == "Adam/AdamW" and report["optimizer"]["parameters"] is None
+    assert "'cnn.1.bias' and 'cnn.1.running_mean'" in report["optimizer"]["problem"]
+    assert api.inspect(str(FIXTURES / "tied-embeddings.safetensors")).to_json()["optimizer"] is None
+    result = run_cli("inspect", TORCH / "training.pt", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["optimizer"]["where"] == "optimizer_state_dict"

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..errors import CheckpointError, option, printable, quote
+from ..errors import CheckpointError, printable, quote
 from ..followers.optimizer import SCALAR_KEYS, STATE_SEP
 from ..tensors import LazyTensor, TensorSpec
 
@@ -204,8 +204,9 @@ def _placement(state: OptimizerState, params: list[tuple[str, TensorSpec]], at: 
     shapes = {p: _shape_of(state.states.get(p, {})) for g in groups for p in g}
     total = sum(map(len, groups))
     slack = len(params) - total
-    how = (f"give the order of the parameters the optimizer was given: a JSON list "
-           f"[n for n, _ in model.named_parameters()] in a file, {option('param_order')}")
+    # the same words for every caller: inspect --json shows this message as data
+    how = ("give the order of the parameters the optimizer was given: a JSON list "
+           "[n for n, _ in model.named_parameters()] in a file (--param-order FILE; param_order= in the API)")
     if slack < 0:
         raise CheckpointError(f"{at}: the optimizer lists {total} parameters, the state dict holds only "
                               f"{len(params)} tensors; load the checkpoint whose optimizer this is")
