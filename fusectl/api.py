@@ -115,10 +115,12 @@ def open_input(path, *, config: str | None = None, follow_symlinks: bool = False
     return _checkpoint(path, config, follow_symlinks, key)
 
 
-def _checkpoint(ckpt, config: str | None, follow_symlinks: bool, key: str | None = None) -> Checkpoint:
+def _checkpoint(ckpt, config: str | None, follow_symlinks: bool, key: str | None = None,
+                param_order: str | None = None) -> Checkpoint:
     if isinstance(ckpt, Checkpoint):
         return ckpt
-    return open_checkpoint(os.fspath(ckpt), config, allow_outside_links=follow_symlinks, key=key)
+    return open_checkpoint(os.fspath(ckpt), config, allow_outside_links=follow_symlinks, key=key,
+                           param_order=os.fspath(param_order) if param_order is not None else None)
 
 
 def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]:
@@ -132,8 +134,10 @@ def _load_with_origins(checkpoint: Checkpoint, rules: Sequence[str]) -> list[tup
 
 
 def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect: bool,
-                    write_ties_once: bool) -> ParamTable:
-    table = checkpoint.table.copy()
+                    write_ties_once: bool, training: bool = False) -> ParamTable:
+    # training: with a training dict's optimizer state beside its parameters (a plan shows
+    # their steps; an output format that can hold them is the torch writer's)
+    table = checkpoint.training_table() if training else checkpoint.table.copy()
     for ruleset in rulesets:
         declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
     if detect:
@@ -145,7 +149,7 @@ def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect:
 
 def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool = False,
          detect_ties: bool = False, write_ties_once: bool = False, follow_symlinks: bool = False,
-         key: str | None = None) -> Planned:
+         key: str | None = None, param_order: str | None = None) -> Planned:
     """Bind ``rules`` to a checkpoint, from headers alone (no tensor data is read).
 
     :param ckpt: the checkpoint: a path (a file or a folder, any format fusectl reads) or an
@@ -159,6 +163,11 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     :param write_ties_once: store a tie adopted over two stored tensors once, the others as aliases.
     :param follow_symlinks: follow links in an input folder that lead outside it.
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :param param_order: for a training dict whose optimizer state the shapes do not map to its
+        parameters, a JSON file listing them in the order the optimizer was given them
+        (``[n for n, _ in model.named_parameters()]``). A training dict's optimizer state is
+        planned with its parameters: each state tensor (``<name>::<key>``) takes its
+        parameter's steps.
     :returns: a :class:`Planned`: the plan and the table it makes (``.to_json()`` is
         ``plan --json``, ``.to_text()`` what ``plan`` prints).
     :raises PlanError: no rules, or rules that do not fit the checkpoint (TieError: a tie
@@ -171,12 +180,19 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     >>> planned.to_json()["result"]["unique_count"]
     17
     """
+    return _plan(_checkpoint(ckpt, config, follow_symlinks, key, param_order), rules, untie, detect_ties,
+                 write_ties_once, training=True)
+
+
+def _plan(checkpoint: Checkpoint, rules: Sequence[str], untie: bool, detect_ties: bool, write_ties_once: bool,
+          training: bool) -> Planned:
+    """``plan`` on an opened checkpoint; ``training``: with a training dict's optimizer state
+    (``fuse`` leaves it out until its output can hold it)."""
     if not rules:
         raise PlanError("give at least one rules file or preset name")
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     loaded = _load_with_origins(checkpoint, rules)
     rulesets = [ruleset for ruleset, _ in loaded]
-    table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
+    table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once, training=training)
     return _bind(checkpoint, table, rulesets, untie, origins=[origin for _, origin in loaded])
 
 
@@ -280,8 +296,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     (2, True)
     """
     started = time.monotonic()
-    planned = plan(ckpt, rules, config=config, untie=untie, detect_ties=detect_ties,
-                   write_ties_once=write_ties_once, follow_symlinks=follow_symlinks, key=key)
+    planned = _plan(_checkpoint(ckpt, config, follow_symlinks, key), rules, untie, detect_ties, write_ties_once,
+                    training=False)
     checkpoint = planned.checkpoint
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
@@ -406,7 +422,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
 
 
 def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,
-            key: str | None = None) -> InspectReport:
+            key: str | None = None, param_order: str | None = None) -> InspectReport:
     """What a checkpoint holds: its parameters, ties, provenance, scales and adapter, from its
     headers.
 
@@ -416,6 +432,8 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     :param detect_ties: hash every tensor and report equal ones as suspected ties (reads all data).
     :param follow_symlinks: follow links in an input folder that lead outside it.
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
+    :param param_order: a JSON file listing the parameters in the order a training dict's
+        optimizer was given them, where the shapes do not prove it.
     :returns: an :class:`~fusectl.inspection.InspectReport`: ``.to_json()`` is the object
         ``inspect --json`` prints, ``.to_text()`` what ``inspect`` prints (its hints, such as
         how to choose another state dict, in the words of the caller rendering it: ``key`` here,
@@ -429,7 +447,7 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     >>> print(report.to_text().splitlines()[0])
     fixtures/tied-embeddings.safetensors: safetensors, 1 file(s), 3 unique parameters, 5.18 KB
     """
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     label = str(checkpoint.path) if isinstance(ckpt, Checkpoint) else os.fspath(ckpt)
     return inspect_checkpoint(checkpoint, label, detect_ties=detect_ties)
 

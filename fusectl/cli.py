@@ -163,11 +163,12 @@ def _follow_symlinks() -> bool:
     return bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
 
 
-def _forward_plan(ckpt, rules, config_path, untie, adopt) -> api.Planned:
+def _forward_plan(ckpt, rules, config_path, untie, adopt, param_order=None) -> api.Planned:
     """Bind RULES to CKPT (a usage error without rules)."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    return api.plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs())
+    extra = {"param_order": param_order} if param_order else {}
+    return api.plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs(), **extra)
 
 
 rules_option = click.option("-r", "--rules", "rules", multiple=True, metavar="RULES",
@@ -179,6 +180,10 @@ untie_option = click.option("--untie", is_flag=True,
                             help="Allow rules that break a tie (other members become copies).")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
+order_option = click.option(
+    "--param-order", "param_order", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+    help="A JSON list of a training checkpoint's parameter names in the order its optimizer was given "
+         "them ([n for n, _ in model.named_parameters()]), where the shapes do not prove it.")
 write_once_option = click.option(
     "--write-ties-once", is_flag=True,
     help="Store a tie adopted over two stored tensors ([ties], --detect-ties) once, with the others "
@@ -192,14 +197,15 @@ write_once_option = click.option(
 @click.option("--detect-ties", "detect", is_flag=True,
               help="Hash every tensor and report equal ones as suspected ties (reads all data).")
 @config_option
-def inspect_cmd(ckpt, as_json, detect, config_path):
+@order_option
+def inspect_cmd(ckpt, as_json, detect, config_path, param_order):
     """Show a checkpoint's parameters, ties and provenance (reads headers only).
 
     \b
     Example:
       fusectl inspect fixtures/tied-embeddings.safetensors --json
     """
-    report = api.inspect(ckpt, config=config_path, detect_ties=detect, **_inputs())
+    report = api.inspect(ckpt, config=config_path, detect_ties=detect, param_order=param_order, **_inputs())
     _emit(report, as_json)
 
 
@@ -211,14 +217,15 @@ def inspect_cmd(ckpt, as_json, detect, config_path):
 @untie_option
 @adopt_option
 @config_option
-def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path):
+@order_option
+def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path, param_order):
     """Show what RULES would do to CKPT, from headers alone.
 
     \b
     Example:
       fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
     """
-    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt), as_json)
+    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt, param_order), as_json)
 
 
 class SizeType(click.ParamType):

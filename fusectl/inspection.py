@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .errors import option, option_name, printable
+from .errors import CheckpointError, option, option_name, printable
+from .followers.optimizer import recognise
 from .io.checkpoint import Checkpoint
 from .reports import human, names_text, table_json
 from .ties import detect_ties as find_equal_tensors
@@ -25,7 +26,8 @@ class InspectReport:
     file has none) and ``provenance_groups``/``provenance_steps`` its size; ``config`` the
     config.json read; ``state_dict_key`` the state dict read inside a PyTorch training dict;
     ``ignored`` what a PyTorch file held that is not a tensor; ``quantization`` and
-    ``adapter`` the scales and LoRA modules found (None when there are none).
+    ``adapter`` the scales and LoRA modules found (None when there are none); ``optimizer``
+    a training dict's optimizer state (:func:`optimizer_report`; None when there is none).
     ``suspected_ties`` and ``constant_groups_skipped`` are None unless ties were detected.
     """
 
@@ -41,6 +43,7 @@ class InspectReport:
     ignored: list[str]
     quantization: dict | None
     adapter: dict | None
+    optimizer: dict | None = None
     suspected_ties: list[list[str]] | None = None
     constant_groups_skipped: int | None = None
 
@@ -57,6 +60,7 @@ class InspectReport:
             "ignored": self.ignored,
             "quantization": self.quantization,
             "adapter": self.adapter,
+            "optimizer": self.optimizer,
         }
         if self.suspected_ties is not None:
             report["suspected_ties"] = self.suspected_ties
@@ -96,6 +100,8 @@ class InspectReport:
             kinds = sorted({s["kind"] for scales in weights.values() for s in scales})
             lines.append(f"quantized: {len(weights)} weight(s) with scales ({', '.join(kinds)}); "
                          f"block size {_block_text(self.quantization)}")
+        if self.optimizer:
+            lines.extend(_optimizer_text(self.optimizer))
         if self.provenance is not None:
             lines.append(f"provenance: {self.provenance_groups} rule group(s), "
                          f"{self.provenance_steps} step(s) recorded by fusectl")
@@ -120,6 +126,7 @@ def inspect_checkpoint(c: Checkpoint, path: str | None = None, *, detect_ties: b
         ignored=c.ignored,
         quantization=c.followers.report("scales"),
         adapter=c.followers.report("lora"),
+        optimizer=optimizer_report(c),
     )
     if not detect_ties:
         return report
@@ -134,3 +141,47 @@ def _block_text(quantized: dict) -> str:
     if not quantized["block_size"]:
         return "not set (no block scales, or set quantization_config.weight_block_size)"
     return f"{quantized['block_size'][0]}x{quantized['block_size'][1]} ({quantized['block_size_source']})"
+
+
+def optimizer_report(c: Checkpoint) -> dict | None:
+    """A training dict's optimizer state as ``inspect --json`` shows it (None when there is
+    none): where it is, the optimizer as recognised (``kind``; ``exact``: whether layout rules
+    move it exactly, else ``refused_because``), ``order_from`` (how each state was mapped to its
+    parameter), its groups with their hyperparameters, the ``step`` and each parameter's id,
+    group and state keys. A state that cannot be read or mapped is shown with ``problem``."""
+    try:
+        state = c.optimizer
+    except CheckpointError as e:
+        where = c.training.optimizer_key if c.training is not None else None
+        return {"where": where, "problem": str(e)}
+    if state is None:
+        return None
+    follower = c.followers.of("optimizer")
+    if follower is not None:
+        return {**follower.report(), "problem": None}
+    try:
+        c.optimizer_mapped
+        problem = "not mapped"
+    except CheckpointError as e:
+        problem = str(e)
+    kind, why = recognise(set(state.keys()), [g.hyper for g in state.groups])
+    return {"where": state.where, "kind": kind, "exact": why is None, "refused_because": why, "order_from": None,
+            "groups": [{"params": len(g.params), "hyperparameters": g.hyper} for g in state.groups],
+            "step": None, "parameters": None, "problem": problem}
+
+
+def _optimizer_text(o: dict) -> list[str]:
+    if o.get("kind") is None:
+        return [f"optimizer: {printable(str(o['where']))}: {printable(o['problem'])}"]
+    how = "moves exactly" if o["exact"] else f"refused ({o['refused_because']})"
+    lines = [f"optimizer: {printable(o['where'])}: {o['kind']}, {len(o['groups'])} group(s), {how}"]
+    for n, g in enumerate(o["groups"]):
+        hyper = ", ".join(f"{k}={v}" for k, v in g["hyperparameters"].items())
+        lines.append(f"  group {n}: {g['params']} parameter(s); {printable(hyper)}")
+    if o["parameters"] is not None:
+        keys = sorted({k for p in o["parameters"].values() for k in p["state"]})
+        lines.append(f"  state: {', '.join(keys)} of {len(o['parameters'])} parameter(s); step {o['step']}; "
+                     f"order from {printable(o['order_from'])}")
+    if o["problem"]:
+        lines.append(f"  not mapped to its parameters: {printable(o['problem'])}")
+    return lines

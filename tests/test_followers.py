@@ -64,7 +64,7 @@ CASES = {
     "refuse": (Refuse(message="never"), {"a": W}, None),
 }
 
-FOLLOWERS = ("tensor", "channel", "block", "lora")
+FOLLOWERS = ("tensor", "channel", "block", "lora", "optimizer")
 
 # what each pair does: "lifts" (checked numerically below) or the refusal's reason (a regex)
 COMPUTES = "computes on the weight's values"
@@ -74,18 +74,21 @@ DECISIONS = {
     "concat": dict.fromkeys(FOLLOWERS, "lifts"),
     "split": dict.fromkeys(FOLLOWERS, "lifts"),
     "interleave": {"tensor": "lifts", "channel": "lifts", "block": "lifts",
-                   "lora": "different A factors, and it does more than concatenate"},
-    "deinterleave": {"tensor": "lifts", "channel": "lifts", "block": "lie in different blocks", "lora": "lifts"},
+                   "lora": "different A factors, and it does more than concatenate", "optimizer": "lifts"},
+    "deinterleave": {"tensor": "lifts", "channel": "lifts", "block": "lie in different blocks", "lora": "lifts",
+                     "optimizer": "lifts"},
     "stack": {"tensor": "lifts", "channel": "lifts", "block": "lifts",
-              "lora": "stacking experts is not lifted"},
+              "lora": "stacking experts is not lifted", "optimizer": "lifts"},
     "unstack": {"tensor": "lifts", "channel": "lifts", "block": "lifts",
-                "lora": "unstacking experts is not lifted"},
+                "lora": "unstacking experts is not lifted", "optimizer": "lifts"},
     "transpose": {"tensor": "lifts", "channel": "lifts", "block": "are not the checkpoint's block size",
-                  "lora": "lifts"},
+                  "lora": "lifts", "optimizer": "lifts"},
     "reshape": {"tensor": "lifts", "channel": "a reshape does not keep blocks",
-                "block": "a reshape does not keep blocks", "lora": "does not keep a low-rank factorisation"},
+                "block": "a reshape does not keep blocks", "lora": "does not keep a low-rank factorisation",
+                "optimizer": "lifts"},
     "reorder": dict.fromkeys(FOLLOWERS, "lifts"),
-    "rope_permute": {"tensor": "lifts", "channel": "lifts", "block": "different blocks", "lora": "lifts"},
+    "rope_permute": {"tensor": "lifts", "channel": "lifts", "block": "different blocks", "lora": "lifts",
+                     "optimizer": "lifts"},
     "merge_equal": dict.fromkeys(FOLLOWERS, "merge_equal " + COMPUTES),
     "replicate": dict.fromkeys(FOLLOWERS, "replicate " + COMPUTES),
     "block_diagonal": dict.fromkeys(FOLLOWERS, "block_diagonal " + COMPUTES),
@@ -95,7 +98,9 @@ DECISIONS = {
     "spectral_norm_fold": dict.fromkeys(FOLLOWERS, "spectral_norm_fold " + COMPUTES),
     "bn_fold": dict.fromkeys(FOLLOWERS, "bn_fold " + COMPUTES),
     # the weight's own scale is consumed by the step; its others (input_scale) are dropped
-    "dequantize": {"tensor": "lifts", "channel": "lifts", "block": "lifts", "lora": "is not a module's weight"},
+    # an optimizer's moments belong to the quantized parameter: a dequantized one is another
+    "dequantize": {"tensor": "lifts", "channel": "lifts", "block": "lifts", "lora": "is not a module's weight",
+                   "optimizer": "drops the state while the parameter goes on"},
     "refuse": dict.fromkeys(FOLLOWERS, "refuse " + COMPUTES),
 }
 
@@ -353,7 +358,7 @@ def test_the_registry_detects_scales_everywhere_and_an_adapter_where_its_config_
     adapter = detect(Source(table, None, ("adapter_config.json", "{}", {"r": 2}), None))
     assert isinstance(adapter.view, LoraAdapter) and adapter.view.config_files() == {
         "adapter_config.json": ("adapter_config.json", "{}")}
-    assert [k.name for k in KINDS] == ["scales", "lora"]
+    assert [k.name for k in KINDS] == ["scales", "optimizer", "lora"]
     riders = adapter.riders()
     assert isinstance(riders, Riders) and riders.claimed(["a.weight"]) >= {"a.weight_scale_inv"}
     assert isinstance(Followers([]).riders(), Riders)
@@ -488,3 +493,48 @@ def test_two_views_of_one_checkpoint_are_a_bug_in_the_registry_not_a_plan():
     with pytest.raises(InternalError, match="are all views of one checkpoint"):
         Followers([(lora, LoraAdapter("a/adapter_config.json", "{}", {}, None)),
                    (lora, LoraAdapter("b/adapter_config.json", "{}", {}, None))])
+
+
+# ----------------------------------------------------------------- optimizer state: the op × optimizer column
+
+
+def _optimizer_case(op_kind: str, rng):
+    from fusectl.followers.optimizer import OptimizerFollower
+    from fusectl.io.optimizer_state import ParamMap, parse_optimizer
+    op, inputs, outputs = CASES[op_kind]
+    extra = (("a.weight_scale_inv", scale_shape("block", W)),) if op_kind == "dequantize" else ()
+    step = _step(op, inputs, outputs, extra=extra)
+    arrays, state = {}, {}
+    for i, (n, s) in enumerate(inputs.items()):
+        arrays[f"{n}.weight"] = rng.standard_normal(s).astype(np.float32)
+        arrays[f"{n}.weight::exp_avg"] = rng.standard_normal(s).astype(np.float32)
+        arrays[f"{n}.weight::step"] = np.array(3.0, np.float32)
+        state[i] = {k: ArrayTensor(TensorSpec(F32, a.shape), a) for k, a in
+                    (("exp_avg", arrays[f"{n}.weight::exp_avg"]), ("step", arrays[f"{n}.weight::step"]))}
+    tree = {"state": state, "param_groups": [{"params": list(range(len(inputs))), "amsgrad": False}]}
+    parsed = parse_optimizer(tree, "opt", "test.pt")
+    follower = OptimizerFollower(parsed, ParamMap({i: f"{n}.weight" for i, n in enumerate(inputs)}, "test"))
+    table = ParamTable.from_stored({n: ArrayTensor(TensorSpec(F32, a.shape), a) for n, a in arrays.items()})
+    return step, table, arrays, follower
+
+
+@pytest.mark.parametrize("op_kind", sorted(OPS))
+def test_optimizer_state_takes_each_op_or_the_op_is_refused_naming_the_rule_and_the_optimizer(op_kind):
+    rng = np.random.default_rng(1)
+    step, table, arrays, follower = _optimizer_case(op_kind, rng)
+    decision = DECISIONS[op_kind]["optimizer"]
+    if decision != "lifts":
+        with pytest.raises(PlanError, match=re.escape(RULE) + ".*Adam/AdamW.*" + decision):
+            follower.lift(step, [step], table, RULE)
+        return
+    lifted = follower.lift(step, [step], table, RULE)
+    after = _run([step, *lifted], arrays)
+    assert not any(n.startswith(("a.", "b.")) for n in after), f"left behind: {sorted(after)}"
+    if not step.outputs:
+        assert after == {}
+        return
+    # the moment took exactly the weight's op; the step is kept once, unchanged
+    want = step.op.apply([arrays[f"{w}::exp_avg"] for w in step.inputs])
+    for out, expected in zip(step.outputs, want):
+        np.testing.assert_array_equal(after[f"{out}::exp_avg"], expected)
+        assert after[f"{out}::step"].shape == () and float(after[f"{out}::step"]) == 3.0

@@ -8,6 +8,8 @@ A checkpoint's followers are detected once, when it is first planned or inspecte
 - *Riders* sit in the checkpoint's own table beside their weights (``scales``: a quantized
   weight's scales). The planner joins their steps to each rule's group before it is applied,
   so a later rule binds the moved ones (``-r llama-qkv -r fp8-dequant``).
+- ``optimizer``: a training checkpoint's optimizer state rides on its parameters (a rider
+  whose tensors ``Checkpoint.training_table`` puts beside them).
 - A *view* replaces the base (``lora``: an adapter holds A and B, not the base weights): rules
   bind to its base view, and its lifted steps are the plan.
 
@@ -24,6 +26,7 @@ from ..errors import InternalError
 from ..steps import Plan, Step
 from ..table import ParamTable
 from .lora import LoraAdapter
+from .optimizer import OptimizerFollower
 from .scales import Scales
 
 
@@ -31,12 +34,14 @@ from .scales import Scales
 class Source:
     """What detecting followers may look at, read once by ``io.checkpoint`` (which followers
     never import): the table, config.json as parsed, ``adapter_config.json`` as (path, text,
-    parsed object) or None, and the checkpoint's recorded plan."""
+    parsed object) or None, the checkpoint's recorded plan, and a training dict's optimizer
+    state with its parameter mapping (``io.optimizer_state``: (OptimizerState, ParamMap)) or None."""
 
     table: ParamTable
     config: Mapping | None = None
     adapter_config: tuple[str, str, dict] | None = None
     history: Plan | None = None
+    optimizer: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class Kind:
 
 KINDS: tuple[Kind, ...] = (
     Kind("scales", lambda source: Scales.detect(source.table, source.config), rides=True),
+    Kind("optimizer", lambda source: OptimizerFollower.detect(source.optimizer), rides=True),
     Kind("lora", lambda source: LoraAdapter.detect(source.table, source.adapter_config, source.history),
          rides=False),
 )
@@ -118,4 +124,4 @@ class Riders:
         return lifted
 
 
-__all__ = ["KINDS", "Followers", "Kind", "LoraAdapter", "Riders", "Scales", "Source", "detect"]
+__all__ = ["KINDS", "Followers", "Kind", "LoraAdapter", "OptimizerFollower", "Riders", "Scales", "Source", "detect"]

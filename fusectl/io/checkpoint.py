@@ -16,6 +16,8 @@ from ..followers import Followers, Source, detect
 from ..table import ParamTable
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
 from .formats import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
+from .optimizer_state import STATE_SEP, OptimizerState, ParamMap, Training, map_parameters, read_order, \
+    state_tensors
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
 from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
@@ -49,14 +51,70 @@ class Checkpoint:
     # entries of it that are not tensors (ignored)
     state_dict_key: str | None = None
     ignored: list[str] = field(default_factory=list)
+    # a training dict's other parts (optimizer_state.Training; None: not a training dict), and
+    # the file giving the optimizer's parameter order (--param-order)
+    training: Training | None = None
+    param_order: str | None = None
 
     @functools.cached_property
     def followers(self) -> Followers:
         """The tensors riding on this checkpoint's weights (``fusectl.followers``: scales, a LoRA
-        adapter's factors), detected once, when first asked for; ``adapter_config.json`` is read
-        and parsed then, and never again for this checkpoint."""
+        adapter's factors, an optimizer's state), detected once, when first asked for;
+        ``adapter_config.json`` is read and parsed then, and never again for this checkpoint.
+        An optimizer whose state cannot be read or mapped rides on nothing here: asking for
+        :meth:`training_table` says why."""
+        try:
+            optimizer = self.optimizer_mapped
+        except CheckpointError:
+            optimizer = None
         return detect(Source(self.table, self.config, adapter_config(self),
-                             self.provenance.plan if self.provenance else None))
+                             self.provenance.plan if self.provenance else None, optimizer))
+
+    @functools.cached_property
+    def optimizer(self) -> OptimizerState | None:
+        """The optimizer state beside the model in a training dict (None: none); CheckpointError
+        for a malformed one."""
+        return self.training.optimizer() if self.training is not None else None
+
+    @functools.cached_property
+    def optimizer_mapped(self) -> tuple[OptimizerState, ParamMap] | None:
+        """The optimizer state and which parameter each of its ids is (``map_parameters``:
+        proven by names or shapes, in the state dict's order or ``param_order``'s); None
+        without an optimizer; CheckpointError when the mapping is not proven."""
+        state = self.optimizer
+        if state is None:
+            return None
+        names = self.table.unique_names()
+        seen, params = set(), []
+        for name in self.table.entries:  # the state dict's order; a tied group once, first member
+            tensor = self.table.entries[name]
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                params.append((names[name], tensor.spec))
+        order = read_order(self.param_order) if self.param_order else None
+        return state, map_parameters(state, params, self.path, order, self.param_order)
+
+    def training_table(self) -> ParamTable:
+        """A copy of :attr:`table` with the optimizer's state tensors beside their parameters
+        (``<name>::<key>``, tied where the parameter is), for a plan that moves them; the table
+        itself when there is no optimizer. CheckpointError when the state cannot be read or mapped."""
+        mapped = self.optimizer_mapped
+        table = self.table.copy()
+        if mapped is None:
+            return table
+        state, mapping = mapped
+        aliases = {}
+        for members in table.groups().values():
+            for m in members:
+                aliases[m] = members
+        entries = state_tensors(state, mapping, {table.unique_name(n): aliases[n] for n in mapping.names.values()})
+        clash = next((n for n in entries if n in table), None)
+        if clash is not None:
+            raise CheckpointError(f"{printable(self.path)}: the state dict holds a tensor {clash!r}, the name "
+                                  f"fusectl gives an optimizer state ('{STATE_SEP}' separates them); rename it")
+        table.add(entries)
+        table.stored |= set(entries)
+        return table
 
     def input_paths(self) -> list[str]:
         """Every path this checkpoint reads from: an output may not overwrite any of them."""
@@ -65,7 +123,7 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False,
-                    key: str | None = None) -> Checkpoint:
+                    key: str | None = None, param_order: str | None = None) -> Checkpoint:
     """Read headers of a safetensors file, sharded index, Hugging Face folder, npz archive,
     PyTorch file (``torch.save``, told by its content under any name: ``.pt``, ``.pth.tar``, none;
     ``key`` selects the state dict of a training dict, dotted for nesting) or an ONNX model's
@@ -78,6 +136,8 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     inside the repository's cache folder where the blobs live; ``allow_outside_links`` lifts
     this (``--follow-symlinks``). A file named directly (``path`` or ``config_path``) may be
     a link. Only regular files are ever read, never FIFOs, devices or /proc files.
+    ``param_order`` is a JSON file listing the parameters in the order the optimizer of a
+    training dict was given them (read when the optimizer is first mapped).
     """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
@@ -121,7 +181,7 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
     }
     return Checkpoint(path, fmt.name, list(contents.files), table, passthrough, provenance, config, config_path,
-                      companions, contents.state_dict_key, list(contents.ignored))
+                      companions, contents.state_dict_key, list(contents.ignored), contents.training, param_order)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ class Contents:
     refuses one that is not a string), or None where the format keeps none. ``aliases``: a
     name → the stored name it shares storage with (PyTorch views of one storage).
     ``state_dict_key``: the dotted key of the state dict read inside a PyTorch file (None: the
-    top level); ``ignored``: the entries of it that are not tensors.
+    top level); ``ignored``: the entries of it that are not tensors. ``training``: for a
+    state dict inside a training dict, the rest of it (``optimizer_state.Training``: the
+    optimizer beside the model, the whole tree for writing it back); None otherwise.
     """
 
     tensors: Mapping[str, LazyTensor]
@@ -37,6 +39,13 @@ class Contents:
     aliases: Mapping[str, str] = field(default_factory=dict)
     state_dict_key: str | None = None
     ignored: list[str] = field(default_factory=list)
+    training: object = None
+
+    @property
+    def optimizer(self):
+        """The optimizer state beside the state dict (``optimizer_state.OptimizerState``; None:
+        none), parsed now (CheckpointError for a malformed one)."""
+        return self.training.optimizer() if self.training is not None else None
 
 
 class Reader(Protocol):

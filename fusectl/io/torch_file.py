@@ -68,6 +68,7 @@ from ..errors import CheckpointError, option_name, printable, quote
 from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 from .contents import Contents
+from .optimizer_state import Training, find_optimizer
 from .pickle_scan import Builds, NeedMore, call_bytes, scan
 from .sharded import read_index
 from .sniff import check_pytorch
@@ -94,6 +95,7 @@ class TorchContents:
     key: str | None  # dotted key of the state dict chosen inside the file's object (None: the top level)
     ignored: list[str]  # names of entries of the chosen state dict that are not tensors
     candidates: dict[str, int]  # dotted key ("" = top level) → tensor count, of every dict of tensors considered
+    training: Training | None = None  # a training dict's other parts (None: the state dict is the top level)
 
 
 def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
@@ -102,7 +104,8 @@ def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], 
     :func:`read_torch` chooses (``key``), its storage aliases and the entries it ignored."""
     check_pytorch(path)
     found = read_torch(path, key)
-    return Contents(found.tensors, [path], aliases=found.aliases, state_dict_key=found.key, ignored=found.ignored)
+    return Contents(found.tensors, [path], aliases=found.aliases, state_dict_key=found.key, ignored=found.ignored,
+                    training=found.training)
 
 
 def read_pytorch_index(path: str, key: str | None = None,
@@ -760,7 +763,52 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
         raise CheckpointError(f"{where}: key {quote(key[:200])} {what}; the dicts of tensors are: "
                               f"{_listed(list(candidates), candidates) or 'none'}")
     tensors, aliases, ignored = _state_dict(path, archive, found.dicts[key])
-    return TorchContents(tensors, aliases, key or None, ignored, candidates)
+    return TorchContents(tensors, aliases, key or None, ignored, candidates, _training(path, archive, found, key))
+
+
+def _training(path: str, archive: _Archive, found: "_Dicts", key: str) -> Training | None:
+    """The training dict around the state dict at ``key`` (None for a top-level state dict):
+    the optimizer beside it, and the whole tree, converted when asked for."""
+    if not key:
+        return None
+    prefix = key.rpartition(".")[0]
+    parent = found.dicts.get(prefix)
+    optimizer_key, problem = find_optimizer(parent, prefix) if parent is not None else (None, None)
+    where = printable(path)
+    return Training(path, key, optimizer_key, lambda: _lazy_tree(path, archive, archive.root),
+                    f"{where}: {problem}" if problem else None)
+
+
+def _lazy_tree(path: str, archive: _Archive, root: object) -> object:
+    """``root`` with each tensor a lazy tensor (checked against its storage) and each dict a
+    plain dict; other values as unpickled. A value reached twice is converted once."""
+    specs: dict = {}
+    dims = limit("dims")
+    memo: dict[int, object] = {}
+
+    def convert(value: object, dotted: str) -> object:
+        known = memo.get(id(value))
+        if known is not None:
+            return known
+        if isinstance(value, _View):
+            out = _tensor(path, dotted, value, archive, specs, dims)[0]
+        elif isinstance(value, dict):
+            out = {}
+            memo[id(value)] = out
+            for k, v in value.items():
+                out[k] = convert(v, f"{dotted}.{k}" if dotted else str(k))
+        elif type(value) in (list, tuple):
+            items: list = []
+            if type(value) is list:  # a list may hold itself: it is known before its items
+                memo[id(value)] = items
+            items.extend(convert(v, f"{dotted}.{n}" if dotted else str(n)) for n, v in enumerate(value))
+            out = items if type(value) is list else tuple(items)
+        else:
+            return value
+        memo[id(value)] = out
+        return out
+
+    return convert(root, "")
 
 
 def _listed(keys: list[str], candidates: dict[str, int]) -> str:

@@ -1,0 +1,445 @@
+"""The optimizer state of a training checkpoint, read from headers, and mapped to its parameters.
+
+A training dict (``{"model_state_dict": …, "optimizer_state_dict": {"state", "param_groups"},
+"epoch": …}``, a Lightning ``.ckpt``'s ``optimizer_states`` list) holds the optimizer's
+``state_dict()`` beside the model's: per parameter *id* a dict of state (``exp_avg``,
+``momentum_buffer``, a ``step``), and the ``param_groups`` whose ``params`` lists give the ids
+in the order the optimizer was given its parameters, with each group's hyperparameters.
+:func:`parse_optimizer` turns that tree (dicts, lists, scalars and lazy tensors, as
+``io.torch_file`` reads it) into an :class:`OptimizerState`; :func:`map_parameters` proves which
+parameter each id is (:class:`ParamMap`), or says why it cannot.
+
+>>> state = parse_optimizer({"state": {}, "param_groups": [{"params": [0], "lr": 0.1}]}, "opt", "f.pt")
+>>> state.groups[0].hyper
+{'lr': 0.1}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..errors import CheckpointError, printable, quote
+from ..followers.optimizer import SCALAR_KEYS, STATE_SEP
+from ..tensors import LazyTensor, TensorSpec
+
+# where an optimizer's state_dict sits beside the model's, in a training dict
+OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optimizer_state", "opt")
+LIGHTNING_KEY = "optimizer_states"
+_MAX_SEARCH = 5_000_000  # states of the order search (ids × positions) before asking for the order
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One of the optimizer's ``param_groups``: its parameter ids in order, its hyperparameters
+    (JSON-able values: ``lr``, ``betas`` as a list, …) and, when the optimizer recorded them
+    (``torch.optim`` with named parameters), the parameters' names."""
+
+    params: tuple
+    hyper: dict
+    param_names: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """An optimizer's ``state_dict()`` as read: ``where`` its dotted key in the training dict,
+    ``groups`` its param groups, ``states`` parameter id → state key → a lazy tensor or a
+    number; ``rest`` the optimizer dict's other entries (kept as read)."""
+
+    where: str
+    groups: tuple[ParamGroup, ...]
+    states: dict
+    rest: dict = field(default_factory=dict)
+
+    def ids(self) -> list:
+        """Every parameter id, in group order."""
+        return [i for g in self.groups for i in g.params]
+
+    def group_of(self, pid) -> int:
+        """The index of the group that lists ``pid``."""
+        return next(n for n, g in enumerate(self.groups) if pid in g.params)
+
+    def keys(self) -> list[str]:
+        """Every state key, in first-seen order."""
+        return list(dict.fromkeys(k for s in self.states.values() for k in s))
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """Which parameter each optimizer id is: ``names`` id → parameter name, and ``source`` where
+    the order came from (``"param_names"``, ``"state keys"``, ``"state dict order"``, ``"FILE"``)."""
+
+    names: dict
+    source: str
+
+
+def parse_optimizer(tree: object, where: str, path: str) -> OptimizerState:
+    """The :class:`OptimizerState` of an optimizer's ``state_dict()`` read as ``tree``.
+
+    :param tree: ``{"state": {id: {key: tensor or number}}, "param_groups": [{"params": [...], ...}]}``
+        with tensors as :class:`~fusectl.tensors.LazyTensor`.
+    :param where: its dotted key in the training dict (for messages).
+    :param path: the file (for messages).
+    :raises CheckpointError: naming the entry that is not what ``torch.optim`` writes: a
+        missing or mistyped ``state``/``param_groups``, an id listed twice, a state for an id no
+        group lists, a hyperparameter that is not plain data.
+    """
+    at = f"{printable(path)}: optimizer state {quote(where)}"
+    if not isinstance(tree, dict) or "state" not in tree or "param_groups" not in tree:
+        raise CheckpointError(f"{at}: not an optimizer's state_dict (a dict with 'state' and 'param_groups'); "
+                              "name the training dict's optimizer entry or re-save it with optimizer.state_dict()")
+    raw_states, raw_groups = tree["state"], tree["param_groups"]
+    if not isinstance(raw_states, dict):
+        raise CheckpointError(f"{at}: 'state' is {_kind(raw_states)}, not a dict of parameter id → state")
+    if not isinstance(raw_groups, (list, tuple)) or not raw_groups:
+        raise CheckpointError(f"{at}: 'param_groups' is {_kind(raw_groups)}, not a non-empty list of groups")
+    groups, seen = [], set()
+    for n, g in enumerate(raw_groups):
+        gat = f"{at}: param_groups[{n}]"
+        if not isinstance(g, dict) or "params" not in g:
+            raise CheckpointError(f"{gat} is {_kind(g)}, not a dict with 'params'")
+        params = g["params"]
+        if not isinstance(params, (list, tuple)) or not all(_is_id(p) for p in params):
+            raise CheckpointError(f"{gat}: 'params' is not a list of parameter ids (integers or names)")
+        for p in params:
+            if p in seen:
+                raise CheckpointError(f"{gat}: parameter id {_shown(p)} is listed twice; the file is corrupt")
+            seen.add(p)
+        names = g.get("param_names")
+        if names is not None:
+            if not isinstance(names, (list, tuple)) or len(names) != len(params) or \
+                    not all(type(x) is str for x in names):
+                raise CheckpointError(f"{gat}: 'param_names' is not a list of {len(params)} names, one per id")
+            names = tuple(names)
+        hyper = {}
+        for k, v in g.items():
+            if k in ("params", "param_names"):
+                continue
+            if type(k) is not str:
+                raise CheckpointError(f"{gat}: a hyperparameter named {_kind(k)}, not text")
+            hyper[k] = _plain(v, f"{gat}: hyperparameter {quote(k)}")
+        groups.append(ParamGroup(tuple(params), hyper, names))
+    states = {}
+    for pid, s in raw_states.items():
+        if not _is_id(pid):
+            raise CheckpointError(f"{at}: a state keyed by {_kind(pid)}, not a parameter id")
+        if pid not in seen:
+            raise CheckpointError(f"{at}: a state for parameter id {_shown(pid)}, which no param group lists; "
+                                  "the optimizer dict is corrupt or was edited")
+        if not isinstance(s, dict):
+            raise CheckpointError(f"{at}: the state of id {_shown(pid)} is {_kind(s)}, not a dict")
+        entry = {}
+        for k, v in s.items():
+            if type(k) is not str:
+                raise CheckpointError(f"{at}: the state of id {_shown(pid)} has a key {_kind(k)}, not text")
+            if not isinstance(v, LazyTensor) and type(v) not in (int, float, bool):
+                raise CheckpointError(f"{at}: state {quote(k)} of id {_shown(pid)} is {_kind(v)}, "
+                                      "neither a tensor nor a number")
+            entry[k] = v
+        states[pid] = entry
+    rest = {k: v for k, v in tree.items() if k not in ("state", "param_groups")}
+    return OptimizerState(where, tuple(groups), states, rest)
+
+
+def map_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec]], path: str,
+                   order: Sequence[str] | None = None, order_source: str | None = None) -> ParamMap:
+    """Which parameter each of ``state``'s ids is, proven by names or shapes.
+
+    :param params: the model's parameters as (name, spec), in the state dict's order, each
+        tied group once (buffers are not marked in a state dict: they may be among them).
+    :param order: the parameter names in the order the optimizer was given them
+        (``[n for n, _ in model.named_parameters()]``), read from ``order_source``; used
+        instead of the state dict's order.
+    :returns: a :class:`ParamMap`. Names come from the groups' ``param_names`` when present,
+        from name keys when the ids are names; else each group's ids, in their order, must sit
+        in the parameters' order as one increasing sequence (groups interleaved, buffers
+        skipped) whose shapes equal the states' shapes — and exactly one such placement may
+        exist (ids without shaped state are placed by the others around them).
+    :raises CheckpointError: a state whose shape differs from its parameter's, a name that is
+        not a parameter, no placement, or two placements (naming the two parameters that could
+        swap and how to give the order).
+    """
+    at = f"{printable(path)}: optimizer state {quote(state.where)}"
+    specs = dict(params)
+    if all(g.param_names is not None for g in state.groups):
+        names = {p: n for g in state.groups for p, n in zip(g.params, g.param_names)}
+        source = "param_names"
+    elif all(type(p) is str for p in state.ids()):
+        names = {p: p for p in state.ids()}
+        source = "state keys"
+    else:
+        if order is not None:
+            missing = [n for n in order if n not in specs]
+            if missing:
+                raise CheckpointError(f"{printable(order_source or 'the order')}: {quote(missing[0])} is not a "
+                                      "parameter of the checkpoint; give the names of model.named_parameters()")
+            sequence = [(n, specs[n]) for n in order]
+        else:
+            sequence = list(params)
+        names = _placement(state, sequence, at, order is not None)
+        source = order_source if order is not None else "state dict order"
+    for pid, name in names.items():
+        if name not in specs:
+            raise CheckpointError(f"{at}: parameter id {_shown(pid)} is named {quote(name)}, which the model's "
+                                  "state dict does not hold")
+        shape = _shape_of(state.states.get(pid, {}))
+        if shape is not None and shape != specs[name].shape:
+            key, t = next((k, v) for k, v in state.states[pid].items() if _shaped(k, v))
+            raise CheckpointError(f"{at}: state {quote(key)} of {quote(name)} is {list(t.spec.shape)}, the "
+                                  f"parameter is {list(specs[name].shape)}; a state must be shaped like its "
+                                  "parameter")
+    names = {p: names[p] for p in state.ids() if p in names}
+    if len(set(names.values())) != len(names):
+        raise CheckpointError(f"{at}: two parameter ids name one parameter; the optimizer dict is corrupt")
+    return ParamMap(names, source)
+
+
+def _placement(state: OptimizerState, params: list[tuple[str, TensorSpec]], at: str, given: bool) -> dict:
+    """Each id → the parameter it must be (see :func:`map_parameters`): a search over the
+    parameters in order, whose states are how many ids of each group are placed (at most two
+    ways counted to each)."""
+    groups = [list(g.params) for g in state.groups]
+    shapes = {p: _shape_of(state.states.get(p, {})) for g in groups for p in g}
+    total = sum(map(len, groups))
+    slack = len(params) - total
+    # the same words for every caller: inspect --json shows this message as data
+    how = ("give the order of the parameters the optimizer was given: a JSON list "
+           "[n for n, _ in model.named_parameters()] in a file (--param-order FILE; param_order= in the API)")
+    if slack < 0:
+        raise CheckpointError(f"{at}: the optimizer lists {total} parameters, the state dict holds only "
+                              f"{len(params)} tensors; load the checkpoint whose optimizer this is")
+    start = tuple(0 for _ in groups)
+    layers: list[dict] = [{start: 1}]
+    budget = _MAX_SEARCH
+    for k, (name, spec) in enumerate(params):
+        here: dict = {}
+        for placed, ways in layers[-1].items():
+            if k - sum(placed) < slack:  # a buffer, or a parameter the optimizer was not given
+                here[placed] = min(2, here.get(placed, 0) + ways)
+            for g, j in enumerate(placed):
+                if j < len(groups[g]) and shapes[groups[g][j]] in (None, spec.shape):
+                    nxt = placed[:g] + (j + 1,) + placed[g + 1:]
+                    here[nxt] = min(2, here.get(nxt, 0) + ways)
+        budget -= len(here)
+        if budget < 0:
+            raise CheckpointError(f"{at}: too many ways to place {total} optimizer states among {len(params)} "
+                                  f"tensors to prove their order from shapes; {how}")
+        layers.append(here)
+    end = tuple(map(len, groups))
+    ways = layers[-1].get(end, 0)
+    where = "the order given" if given else "the state dict's order"
+    if ways == 0:
+        raise CheckpointError(f"{at}: the optimizer's parameters do not fit {where}: no placement of its "
+                              f"{total} states gives each the shape of its parameter; {how}")
+    found = _placements(layers, params, groups, shapes, end, slack)
+    first = next(found)
+    if ways > 1:
+        second = next(found)
+        pid = next(p for p in first if first[p] != second[p])
+        raise CheckpointError(f"{at}: the shapes do not prove which parameter is which: the state of id "
+                              f"{_shown(pid)} fits {quote(first[pid])} and {quote(second[pid])} alike (equal "
+                              f"shapes), and an order assumption could swap them; {how}, or save the "
+                              "optimizer with param_names")
+    return first
+
+
+def _placements(layers, params, groups, shapes, end, slack):
+    """The placements reaching ``end``, walked back from it (every state of ``layers`` is
+    reachable from the start, so no walk is a dead end); the caller takes one or two."""
+    def steps_back(k: int, placed: tuple) -> list:
+        prev_layer, shape = layers[k - 1], params[k - 1][1].shape
+        out = []
+        if placed in prev_layer and k - 1 - sum(placed) < slack:
+            out.append((placed, None))
+        for g, j in enumerate(placed):
+            if j > 0 and shapes[groups[g][j - 1]] in (None, shape):
+                prev = placed[:g] + (j - 1,) + placed[g + 1:]
+                if prev in prev_layer:
+                    out.append((prev, groups[g][j - 1]))
+        return out
+
+    stack = [(len(params), end, steps_back(len(params), end))]
+    chosen: list = []
+    while stack:
+        k, placed, options = stack[-1]
+        if k == 0:
+            yield {pid: name for pid, name in chosen if pid is not None}
+            stack.pop()
+            if chosen:
+                chosen.pop()
+            continue
+        if not options:
+            stack.pop()
+            if chosen:
+                chosen.pop()
+            continue
+        prev, pid = options.pop(0)
+        chosen.append((pid, params[k - 1][0]))
+        stack.append((k - 1, prev, steps_back(k - 1, prev) if k - 1 else []))
+
+
+def state_tensors(state: OptimizerState, mapping: ParamMap, aliases: Mapping[str, Sequence[str]]
+                  ) -> dict[str, LazyTensor]:
+    """The state tensors as table entries ``<parameter>::<key>``, under every name tied to the
+    parameter (``aliases``: name → its tied names, itself included; one state, as the
+    parameter is one)."""
+    out = {}
+    for pid, name in mapping.names.items():
+        for key, value in state.states.get(pid, {}).items():
+            if isinstance(value, LazyTensor):
+                for alias in aliases.get(name, [name]):
+                    out[f"{alias}{STATE_SEP}{key}"] = value
+    return out
+
+
+def read_order(path: str) -> list[str]:
+    """The parameter order in ``path``: a JSON list of names, ``[n for n, _ in model.named_parameters()]``.
+
+    :raises CheckpointError: a file that cannot be read or is not a list of distinct names."""
+    from .untrusted import read_json_file
+    value = read_json_file(path, "the parameter order")
+    if not isinstance(value, list) or not all(type(n) is str for n in value) or len(set(value)) != len(value):
+        raise CheckpointError(f"{printable(path)}: the parameter order must be a JSON list of distinct names "
+                              "([n for n, _ in model.named_parameters()])")
+    return value
+
+
+def training_tree(root: object, model_key: str | None, model: object, optimizer_key: str | None,
+                  optimizer: object) -> object:
+    """The training dict ``root`` (as read: dicts, lists, tuples, numbers, lazy tensors) with
+    the entry at ``model_key`` replaced by ``model`` and the one at ``optimizer_key`` by
+    ``optimizer`` (dotted keys; Lightning's ``optimizer_states.0`` indexes the list); every
+    other entry kept as it is, for ``torch_writer.write_torch_file``."""
+    def put(tree, parts, value):
+        if not parts:
+            return value
+        head, rest = parts[0], parts[1:]
+        if isinstance(tree, (list, tuple)):
+            items = list(tree)
+            items[int(head)] = put(items[int(head)], rest, value)
+            return type(tree)(items)
+        copy = dict(tree)
+        match = next((k for k in copy if str(k) == head), head)
+        copy[match] = put(copy[match], rest, value)
+        return copy
+    out = root
+    for key, value in ((model_key, model), (optimizer_key, optimizer)):
+        if key is not None and value is not None:
+            out = put(out, key.split(".") if key else [], value)
+    return out
+
+
+def optimizer_tree(state: OptimizerState) -> dict:
+    """``state`` as an optimizer ``state_dict()`` again (the tree :func:`parse_optimizer` reads)."""
+    groups = []
+    for g in state.groups:
+        d = {**g.hyper, "params": list(g.params)}
+        if g.param_names is not None:
+            d["param_names"] = list(g.param_names)
+        groups.append(d)
+    return {"state": {p: dict(s) for p, s in state.states.items()}, "param_groups": groups, **state.rest}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _shaped(key: str, value: object) -> bool:
+    return isinstance(value, LazyTensor) and key not in SCALAR_KEYS
+
+
+def _shape_of(entry: Mapping) -> tuple | None:
+    """The shape every shaped state of one id has, or None (no shaped state, or they differ:
+    a factored optimizer's row and column moments)."""
+    shapes = {v.spec.shape for k, v in entry.items() if _shaped(k, v)}
+    return next(iter(shapes)) if len(shapes) == 1 else None
+
+
+def _is_id(p: object) -> bool:
+    return type(p) is int or type(p) is str
+
+
+def _plain(value: object, what: str, depth: int = 0):
+    """A hyperparameter as JSON-able data (tuples become lists; a non-finite float is kept as a
+    string, as JSON has none)."""
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return value if math.isfinite(value) else repr(value)
+    if type(value) in (list, tuple) and depth < 8:
+        return [_plain(v, what, depth + 1) for v in value]
+    if isinstance(value, LazyTensor) and not value.spec.shape:
+        return f"tensor({value.spec.dtype})"
+    if isinstance(value, dict) and depth < 8 and all(type(k) is str for k in value):
+        return {k: _plain(v, what, depth + 1) for k, v in value.items()}
+    raise CheckpointError(f"{what} is {_kind(value)}, not plain data (numbers, text, lists)")
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, LazyTensor):
+        return f"a tensor {value.spec}"
+    return {dict: "a dict", list: "a list", tuple: "a tuple", str: "text", type(None): "None"}.get(
+        type(value), f"a {type(value).__name__}")
+
+
+def _shown(p: object) -> str:
+    return quote(p) if type(p) is str else json.dumps(p)
+
+
+class Training:
+    """What a training dict holds beside the model's state dict: its whole tree (converted on
+    first use: every tensor a lazy tensor, checked against its storage) and the optimizer's
+    state beside the model (``optimizer_key``; None when there is none). A problem finding
+    the optimizer (two of them) is kept in ``problem`` and raised when the optimizer is asked for,
+    so the model alone reads as before."""
+
+    def __init__(self, path: str, model_key: str | None, optimizer_key: str | None, convert,
+                 problem: str | None = None):
+        self.path, self.model_key, self.optimizer_key = path, model_key, optimizer_key
+        self._convert, self._tree, self.problem = convert, None, problem
+        self._optimizer: OptimizerState | None = None
+
+    def tree(self) -> object:
+        """The training dict as dicts, lists, tuples, numbers and lazy tensors (CheckpointError
+        for a tensor its storage does not hold)."""
+        if self._tree is None:
+            self._tree = self._convert()
+        return self._tree
+
+    def optimizer(self) -> OptimizerState | None:
+        """The optimizer's state beside the model (None: none), parsed on first use."""
+        if self.problem:
+            raise CheckpointError(self.problem)
+        if self.optimizer_key is None:
+            return None
+        if self._optimizer is None:
+            node = self.tree()
+            for part in self.optimizer_key.split("."):
+                node = node[int(part)] if isinstance(node, (list, tuple)) else \
+                    next(v for k, v in node.items() if str(k) == part)
+            self._optimizer = parse_optimizer(node, self.optimizer_key, self.path)
+        return self._optimizer
+
+
+def find_optimizer(parent: Mapping, prefix: str) -> tuple[str | None, str | None]:
+    """(the dotted key of the optimizer state in ``parent``, the dict at ``prefix`` that holds
+    the model's state dict, or a problem): an entry named as training code names it
+    (:data:`OPTIMIZER_KEYS`) holding ``state`` and ``param_groups``, or Lightning's
+    ``optimizer_states`` list of one."""
+    def dotted(k: str) -> str:
+        return f"{prefix}.{k}" if prefix else k
+    found = []
+    for k, v in parent.items():
+        if type(k) is not str:
+            continue
+        if k in OPTIMIZER_KEYS and isinstance(v, dict) and "state" in v and "param_groups" in v:
+            found.append(dotted(k))
+        elif k == LIGHTNING_KEY and isinstance(v, (list, tuple)) and v:
+            if len(v) > 1:
+                return None, (f"{quote(dotted(k))} holds {len(v)} optimizers; fusectl moves the state of "
+                              "one optimizer")
+            found.append(dotted(f"{k}.0"))
+    if len(found) > 1:
+        return None, f"holds two optimizer states, {quote(found[0])} and {quote(found[1])}; fusectl moves one"
+    return (found[0] if found else None), None
