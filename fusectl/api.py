@@ -210,6 +210,10 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from."""
     out = os.fspath(out)
+    training = checkpoint.training
+    if training is not None and training.optimizer_key is not None and on_note is not None:
+        on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: fusectl "
+                "writes the model's tensors only, for now (plan shows the steps the state would take)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
     recorded = history + new
     view = checkpoint.followers.view
