@@ -388,7 +388,11 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 _U32 = 0xFFFFFFFF
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _DESCRIPTOR_ID = 0x08074B50
-_FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
+_UTF8, _DESCRIBED = 0x0800, 0x0008  # UTF-8 names; sizes in a data descriptor (not for an empty record, as miniz)
+
+
+def _flags(size: int) -> int:
+    return _UTF8 | _DESCRIBED if size else _UTF8
 
 
 class _Archive:
@@ -418,6 +422,8 @@ class _Archive:
         key = str(self._keys)
         self._keys += 1
         if isinstance(data, np.ndarray):
+            if data.dtype.byteorder == ">" and data.dtype.newbyteorder("=") == spec.dtype.numpy:
+                data = data.astype(spec.dtype.numpy)  # the same numbers, little-endian: byteorder says so
             if data.dtype != spec.dtype.numpy or data.shape != spec.shape:
                 raise InternalError(f"{self.path}: {name or key!r} arrived as {data.dtype}{list(data.shape)}, "
                                     f"the pickle says {spec}")
@@ -455,7 +461,7 @@ class _Archive:
         start = offset + _LOCAL.size + len(encoded) + len(extra) + 4
         padding = -start % ALIGNMENT
         extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
-        header = _LOCAL.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra))
+        header = _LOCAL.pack(0x04034B50, 0, _flags(size), 0, 0, 0, 0, 0, 0, len(encoded), len(extra))
         self._write(header + encoded + extra)
         self._pos += size
         return encoded, offset, bool(zip64)
@@ -463,8 +469,9 @@ class _Archive:
     def _end(self, begin: tuple[bytes, int, bool], size: int, crc: Callable[[], int]) -> None:
         encoded, offset, zip64 = begin
         value = crc() & _U32
-        sizes = struct.pack("<QQ", size, size) if zip64 else struct.pack("<II", size, size)
-        self._write(struct.pack("<II", _DESCRIPTOR_ID, value) + sizes)
+        if size:
+            sizes = struct.pack("<QQ", size, size) if zip64 else struct.pack("<II", size, size)
+            self._write(struct.pack("<II", _DESCRIPTOR_ID, value) + sizes)
         self._entries.append((encoded, offset, size, value))
 
     def _write(self, data: bytes) -> None:
@@ -489,7 +496,7 @@ class _Archive:
                 big.append(offset)
             extra = struct.pack(f"<HH{len(big)}Q", 1, 8 * len(big), *big) if big else b""
             shown_size = _U32 if size >= _U32 else size
-            parts.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, shown_size,
+            parts.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _flags(size), 0, 0, 0, crc, shown_size,
                                      shown_size, len(encoded), len(extra), 0, 0, 0, 0, min(offset, _U32))
                          + encoded + extra)
         self._write(b"".join(parts))
