@@ -161,11 +161,12 @@ def output_format(path: str) -> Format:
     for fmt in files:
         if path.endswith(fmt.suffixes):
             return fmt
-    unwritten = {"." + s.rsplit(".", 1)[1] for f in FORMATS if f not in files for s in f.suffixes}
-    suffix = os.path.splitext(path.rstrip(os.sep))[1].lower()
-    if suffix in unwritten or suffix in _OTHER_UNWRITTEN_SUFFIXES:
+    # a suffix of a format read but not written, or of a file format in other letters (.PT)
+    claimed = {"." + s.rsplit(".", 1)[1] for f in FORMATS for s in f.suffixes}
+    suffix = os.path.splitext(path.rstrip(os.sep))[1]
+    if suffix.lower() in claimed or suffix.lower() in _OTHER_UNWRITTEN_SUFFIXES:
         shown = ", ".join(s for f in files for s in f.suffixes)
-        choices = ", ".join(f"OUT{s}" for f in files for s in f.suffixes)
+        choices = ", ".join(f"OUT{f.suffixes[0]}" for f in files)
         raise OutputError(f"{path}: fusectl writes {shown} or a folder, not {suffix}; "
                           f"choose {choices} or a folder name")
     return next(f for f in FORMATS if f.output is not None and f.output.folder)

@@ -386,9 +386,19 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 # ------------------------------------------------------------------------------- the zip archive
 
 _U32 = 0xFFFFFFFF
+_ZIP64_AT = _U32  # a size or offset this large goes in a zip64 field (as miniz decides)
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _DESCRIPTOR_ID = 0x08074B50
 _UTF8, _DESCRIBED = 0x0800, 0x0008  # UTF-8 names; sizes in a data descriptor (not for an empty record, as miniz)
+
+
+def _zip64_fields(size: int, offset: int) -> list[int]:
+    """A record's zip64 fields: its sizes when they do not fit 32 bits, its offset when that does not."""
+    return ([size] * 2 if size >= _ZIP64_AT else []) + ([offset] if offset >= _ZIP64_AT else [])
+
+
+def _zip64_extra(fields: list[int]) -> bytes:
+    return struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
 
 
 def _flags(size: int) -> int:
@@ -454,10 +464,8 @@ class _Archive:
     def _begin(self, name: str, size: int) -> tuple[bytes, int, bool]:
         encoded = f"{self.prefix}/{name}".encode()
         offset = self._pos
-        zip64 = [size] * 2 if size >= _U32 else []
-        if offset >= _U32:
-            zip64.append(offset)
-        extra = struct.pack(f"<HH{len(zip64)}Q", 1, 8 * len(zip64), *zip64) if zip64 else b""
+        zip64 = _zip64_fields(size, offset)
+        extra = _zip64_extra(zip64)
         start = offset + _LOCAL.size + len(encoded) + len(extra) + 4
         padding = -start % ALIGNMENT
         extra += b"FB" + struct.pack("<H", padding) + b"Z" * padding
@@ -491,20 +499,17 @@ class _Archive:
         start = self._pos
         parts = []
         for encoded, offset, size, crc in self._entries:
-            big = [size] * 2 if size >= _U32 else []
-            if offset >= _U32:
-                big.append(offset)
-            extra = struct.pack(f"<HH{len(big)}Q", 1, 8 * len(big), *big) if big else b""
-            shown_size = _U32 if size >= _U32 else size
+            extra = _zip64_extra(_zip64_fields(size, offset))
+            shown_size, shown_offset = (_U32 if n >= _ZIP64_AT else n for n in (size, offset))
             parts.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _flags(size), 0, 0, 0, crc, shown_size,
-                                     shown_size, len(encoded), len(extra), 0, 0, 0, 0, min(offset, _U32))
+                                     shown_size, len(encoded), len(extra), 0, 0, 0, 0, shown_offset)
                          + encoded + extra)
         self._write(b"".join(parts))
         size, count, end = self._pos - start, len(self._entries), self._pos
         self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, count, count, size, start))
         self._write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                                min(size, _U32), min(start, _U32), 0))
+                                *(_U32 if n >= _ZIP64_AT else n for n in (size, start)), 0))
 
     def close(self) -> None:
         start_writeback(self.fd)
