@@ -10,10 +10,10 @@ from __future__ import annotations
 import collections
 import json
 import pickle
-import resource
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -194,22 +194,45 @@ def test_the_same_tensor_twice_is_one_storage_and_one_object(tmp_path):
     assert read_torch(str(out)).aliases == {"head": "embed"}
 
 
+@dataclass(frozen=True, eq=False)
 class _Strided(LazyTensor):
-    """A source whose data comes as a non-contiguous (or big-endian) array."""
+    """A source whose data comes as it is given: a non-contiguous or big-endian array."""
 
-    def __init__(self, array: np.ndarray, dtype: str):
-        self.array = array
-        self.spec = TensorSpec(dtypes.BY_NAME[dtype], array.shape)
+    spec: TensorSpec
+    array: np.ndarray
 
     def read(self):
         return self.array
+
+
+@dataclass(frozen=True, eq=False)
+class _Ranges(LazyTensor):
+    """A source of several byte ranges, never read (its bytes are copied)."""
+
+    spec: TensorSpec
+    ranges: tuple[ByteRange, ...]
+
+    def byte_ranges(self):
+        return self.ranges
+
+    def read(self):
+        pytest.fail("read instead of copied")
+
+
+@dataclass(frozen=True, eq=False)
+class _Broken(LazyTensor):
+    spec: TensorSpec
+
+    def read(self):
+        raise OSError("the source went away")
 
 
 def test_non_contiguous_and_big_endian_sources_are_written_contiguous_and_little_endian(tmp_path):
     base = np.arange(12, dtype=np.float32).reshape(3, 4)
     big = np.arange(6, dtype=">i4").reshape(2, 3)
     out = tmp_path / "m.pt"
-    write_torch_file(str(out), {"t": _Strided(base.T, "F32"), "b": _Strided(big, "I32")})
+    write_torch_file(str(out), {"t": _Strided(TensorSpec(dtypes.BY_NAME["F32"], (4, 3)), base.T),
+                                "b": _Strided(TensorSpec(dtypes.BY_NAME["I32"], (2, 3)), big)})
     back = read_torch(str(out))
     np.testing.assert_array_equal(back.tensors["t"].read(), base.T)
     assert back.tensors["b"].read().dtype == np.dtype("<i4")
@@ -223,11 +246,8 @@ def test_byte_ranges_are_copied_from_their_files(tmp_path):
     write_safetensors(src, {"x": np.arange(10, dtype=np.float32), "y": np.arange(6, dtype=np.int64)})
     read = read_safetensors(str(src)).tensors
     x = read["x"].location
-    split = FileTensor(TensorSpec(dtypes.BY_NAME["F32"], (2, 2)),
-                       ByteRange(x.path, x.offset, 8))  # a tensor of two ranges, from two places
-    two = type("TwoRanges", (LazyTensor,), {
-        "spec": split.spec, "byte_ranges": lambda self: (ByteRange(x.path, x.offset + 24, 8), ByteRange(x.path, x.offset, 8)),
-        "read": lambda self: pytest.fail("read instead of copied")})()
+    two = _Ranges(TensorSpec(dtypes.BY_NAME["F32"], (2, 2)),  # two ranges, from two places
+                  (ByteRange(x.path, x.offset + 24, 8), ByteRange(x.path, x.offset, 8)))
     done = []
     out = tmp_path / "m.pt"
     write_torch_file(str(out), {"x": read["x"], "y": read["y"], "two": two}, on_progress=done.append)
@@ -497,3 +517,13 @@ def test_zip64_fields_are_read_by_zipfile_by_fusectl_and_by_torch(tmp_path, monk
     except ImportError:
         return
     _same(torch, torch.load(str(out), weights_only=True), _as_torch(torch, tree))
+
+
+def test_a_failure_while_writing_leaves_no_file_and_a_packed_state_dict_is_refused_unopened(tmp_path):
+    out = tmp_path / "m.pt"
+    with pytest.raises(OSError, match="went away"):
+        write_torch_file(str(out), {"ok": tensor("F32", (2,)), "broken": _Broken(TensorSpec(dtypes.BY_NAME["F32"], (2,)))})
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(OutputError, match=r"the object\['w'\] is a F6_E2M3\[4\] tensor; PyTorch has no F6_E2M3"):
+        TorchWriter(str(out), [("w", TensorSpec(dtypes.BY_NAME["F6_E2M3"], (4,)))], {})
+    assert list(tmp_path.iterdir()) == []

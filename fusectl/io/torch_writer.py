@@ -84,6 +84,7 @@ def write_torch_file(path: str, root: object, *, on_progress: Progress | None = 
         os.fsync(archive.fd)
     except BaseException:
         archive.abort()
+        os.unlink(path)  # no half-written file left behind
         raise
     archive.close()
 
@@ -130,8 +131,8 @@ class TorchWriter:
         self._archive.abort()
 
 
-class _Slot(LazyTensor):
-    """A tensor of a state dict whose bytes :meth:`TorchWriter.write` is given later."""
+class _Slot:
+    """A tensor of a state dict, known by its spec: :meth:`TorchWriter.write` is given its bytes."""
 
     __slots__ = ("spec",)
 
@@ -144,7 +145,7 @@ class _Alias:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: LazyTensor):
+    def __init__(self, tensor: _Slot):
         self.tensor = tensor
 
 
@@ -174,7 +175,7 @@ class _Pickler:
         self.named: dict[object, int] = {}  # a global, or a constant torch.save reuses -> memo index
         self.count = 0
         self.keys: dict[int, str] = {}  # id of a storage's tensor -> its key
-        self.storages: list[LazyTensor] = []
+        self.storages: list[LazyTensor | _Slot] = []
 
     def dump(self, root: object) -> bytes:
         try:
@@ -254,7 +255,7 @@ class _Pickler:
             self.items(obj, where)
         elif isinstance(obj, dict):
             self.dict_(obj, where)
-        elif isinstance(obj, (LazyTensor, _Alias)):
+        elif isinstance(obj, (LazyTensor, _Slot, _Alias)):
             self.tensor(obj, where)
         else:
             raise OutputError(f"{self.path}: {where} is a {kind.__name__}, which fusectl does not write to a PyTorch "
@@ -319,7 +320,7 @@ class _Pickler:
                 self.save(value, f"{where}[{key!r}]")
             self.out += _SETITEM if single else _SETITEMS
 
-    def tensor(self, node: LazyTensor | _Alias, where: str) -> None:
+    def tensor(self, node: LazyTensor | _Slot | _Alias, where: str) -> None:
         tensor = node.tensor if isinstance(node, _Alias) else node
         spec = tensor.spec
         name = spec.dtype.safetensors
