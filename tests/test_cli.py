@@ -649,14 +649,14 @@ def test_folder_output_keeps_the_whole_tree_of_the_input_folder(cli, copy_fixtur
     assert_same_checkpoint(src, back)
 
 
-@pytest.mark.parametrize("name", ["out.pt", "out.bin", "model.onnx", "out.pth"])
+@pytest.mark.parametrize("name", ["model.onnx", "out.gguf", "out.PT"])
 def test_an_output_named_like_a_format_fusectl_does_not_write_is_refused(cli, copy_fixture, tmp_path, name):
     src = copy_fixture(LLAMA)
     before = snapshot(tmp_path)
     result = cli("fuse", src, "-r", "llama-qkv", "-o", tmp_path / name)
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and name in result.stderr
-    assert ".safetensors, .npz or a folder" in result.stderr
+    assert ".safetensors, .npz, .pt, .pth, .bin, .ckpt or a folder" in result.stderr
     assert snapshot(tmp_path) == before
 
 

@@ -181,13 +181,14 @@ def test_every_row_with_a_writer_reads_back_what_it_wrote(tmp_path, name):
 
 
 def test_an_output_path_is_written_by_the_row_its_suffix_names(tmp_path):
-    assert [output_kind(p) for p in ("o.safetensors", "o.npz", "out", "out.d/", "o.tensors")] == \
-        ["safetensors", "npz", "folder", "folder", "folder"]
-    for suffix in (".pt", ".pth", ".bin", ".ckpt", ".onnx", ".json", ".pkl", ".h5", ".gguf", ".zip", ".PT"):
+    assert [output_kind(p) for p in ("o.safetensors", "o.npz", "out", "out.d/", "o.tensors", "o.pt", "o.pth",
+                                     "pytorch_model.bin", "o.ckpt")] == \
+        ["safetensors", "npz", "folder", "folder", "folder", "pytorch", "pytorch", "pytorch", "pytorch"]
+    for suffix in (".onnx", ".json", ".pkl", ".h5", ".gguf", ".zip", ".PT", ".Safetensors", ".NPZ"):
         with pytest.raises(OutputError) as refused:
             output_kind(f"o{suffix}")
-        assert str(refused.value) == (f"o{suffix}: fusectl writes .safetensors, .npz or a folder, not "
-                                      f"{suffix.lower()}; choose OUT.safetensors, OUT.npz or a folder name")
+        assert str(refused.value) == (f"o{suffix}: fusectl writes .safetensors, .npz, .pt, .pth, .bin, .ckpt or a "
+                                      f"folder, not {suffix}; choose OUT.safetensors, OUT.npz, OUT.pt or a folder name")
 
 
 def test_weight_files_are_every_rows_and_the_formats_fusectl_does_not_read():

@@ -14,8 +14,8 @@ writer if it is written) and one row below.
 
 >>> format_of("model.safetensors").name, format_of("checkpoint.pth.tar").name
 ('safetensors', 'pytorch')
->>> output_kind("out.npz"), output_kind("out/")
-('npz', 'folder')
+>>> output_kind("out.npz"), output_kind("model.pt"), output_kind("out/")
+('npz', 'pytorch', 'folder')
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ def _lazy(module: str, function: str) -> Reader:
     return read
 
 
+def _lazy_writer(module: str, cls: str) -> Callable:
+    """A file writer (``writer(path, entries, metadata)``) imported when first opened, as
+    :func:`_lazy` imports a reader: PyTorch's writer loads PyTorch's reader (its dtype table)."""
+
+    def open_writer(path, entries, metadata):
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(path, entries, metadata)
+
+    open_writer.__qualname__ = open_writer.__name__ = cls
+    return open_writer
+
+
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 TORCH_INDEX_SUFFIX = ".bin.index.json"  # pytorch_model.bin.index.json
 
@@ -76,7 +87,8 @@ FORMATS: tuple[Format, ...] = (
            output=Output(FolderWriter, folder=True)),
     Format("npz", (".npz",), read_npz, folder_rank=2, listed_as=".npz", output=Output(single_file(NpzWriter))),
     Format("pytorch", TORCH_SUFFIXES, _lazy("torch_file", "read_pytorch"), told_by=is_pytorch, folder_rank=4,
-           listed_as=f"PyTorch ({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX})", takes_key=True),
+           listed_as=f"PyTorch ({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX})", takes_key=True,
+           output=Output(single_file(_lazy_writer("torch_writer", "TorchWriter")))),
     Format("pytorch-sharded", (TORCH_INDEX_SUFFIX,), _lazy("torch_file", "read_pytorch_index"), folder_rank=3),
     Format("onnx", (".onnx",), _lazy("onnx_file", "read_onnx")),
 )
@@ -149,11 +161,12 @@ def output_format(path: str) -> Format:
     for fmt in files:
         if path.endswith(fmt.suffixes):
             return fmt
-    unwritten = {"." + s.rsplit(".", 1)[1] for f in FORMATS if f not in files for s in f.suffixes}
-    suffix = os.path.splitext(path.rstrip(os.sep))[1].lower()
-    if suffix in unwritten or suffix in _OTHER_UNWRITTEN_SUFFIXES:
+    # a suffix of a format read but not written, or of a file format in other letters (.PT)
+    claimed = {"." + s.rsplit(".", 1)[1] for f in FORMATS for s in f.suffixes}
+    suffix = os.path.splitext(path.rstrip(os.sep))[1]
+    if suffix.lower() in claimed or suffix.lower() in _OTHER_UNWRITTEN_SUFFIXES:
         shown = ", ".join(s for f in files for s in f.suffixes)
-        choices = ", ".join(f"OUT{s}" for f in files for s in f.suffixes)
+        choices = ", ".join(f"OUT{f.suffixes[0]}" for f in files)
         raise OutputError(f"{path}: fusectl writes {shown} or a folder, not {suffix}; "
                           f"choose {choices} or a folder name")
     return next(f for f in FORMATS if f.output is not None and f.output.folder)
@@ -161,6 +174,6 @@ def output_format(path: str) -> Format:
 
 def output_kind(path: str) -> str:
     """``"folder"`` for a folder output, else the name of the file format written
-    (``"safetensors"``, ``"npz"``), from the output path's suffix (:func:`output_format`)."""
+    (``"safetensors"``, ``"npz"``, ``"pytorch"``), from the output path's suffix (:func:`output_format`)."""
     fmt = output_format(path)
     return "folder" if fmt.output.folder else fmt.name

@@ -131,8 +131,8 @@ def read_npz(path: str, key: str | None = None, check_link: Callable[[str], None
                 tensors[name] = FileTensor(spec, ByteRange(path, start, spec.nbytes))
             else:
                 tensors[name] = NpzMemberTensor(spec, path, info.filename)
-    metadata = _string_map(extras, METADATA_MEMBER, path)
-    for name, dtype_name in _string_map(extras, DTYPES_MEMBER, path).items():
+    metadata = string_map(extras, METADATA_MEMBER, path)
+    for name, dtype_name in string_map(extras, DTYPES_MEMBER, path).items():
         if name not in tensors:
             raise CheckpointError(f"{path}: {DTYPES_MEMBER} names {quote(name)}, which the archive lacks")
         tensor = tensors[name]
@@ -149,7 +149,7 @@ def read_npz(path: str, key: str | None = None, check_link: Callable[[str], None
     return Contents(tensors, [path], metadata, metadata.get(METADATA_KEY))
 
 
-def _string_map(extras: dict[str, bytes], member: str, path: str) -> dict[str, str]:
+def string_map(extras: dict[str, bytes], member: str, path: str) -> dict[str, str]:
     """A fusectl JSON member of an npz: an object of strings, or a CheckpointError."""
     if member not in extras:
         return {}

@@ -370,8 +370,10 @@ def start_writeback(fd: int) -> None:
     threading.Thread(target=run, name="fusectl-writeback", daemon=True).start()
 
 
-def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | None) -> None:
-    """Append file ranges to ``dst_fd`` through ``buffer`` (positional reads, plain writes).
+def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | None,
+                seen: Callable[[memoryview], None] | None = None) -> None:
+    """Append file ranges to ``dst_fd`` through ``buffer`` (positional reads, plain writes);
+    ``seen`` is given each chunk written (a zip record's CRC is taken on the way).
 
     Measured on ext4 (2-core VM, warm cache, 495 MB): this moves about 4.4 GB/s whatever the
     offsets, as fast as ``cp``; ``copy_file_range`` reached that only for a copy starting in
@@ -386,6 +388,8 @@ def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | N
                 if got == 0:
                     raise CheckpointError(f"{r.path}: ended early while copying; was it truncated?")
                 write_all(dst_fd, buffer[:got])
+                if seen is not None:
+                    seen(buffer[:got])
                 offset += got
                 left -= got
 

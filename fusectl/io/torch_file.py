@@ -68,10 +68,12 @@ from ..errors import CheckpointError, option_name, printable, quote
 from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 from .contents import Contents
+from .npz_file import string_map
 from .optimizer_state import Training, find_optimizer
 from .pickle_scan import Builds, NeedMore, call_bytes, scan
 from .sharded import read_index
 from .sniff import check_pytorch
+from .provenance import METADATA_KEY
 from .untrusted import collector_paused, open_input
 
 # the first pickle of a legacy file, and the version after it (torch/serialization.py)
@@ -96,6 +98,7 @@ class TorchContents:
     ignored: list[str]  # names of entries of the chosen state dict that are not tensors
     candidates: dict[str, int]  # dotted key ("" = top level) → tensor count, of every dict of tensors considered
     training: Training | None = None  # a training dict's other parts (None: the state dict is the top level)
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # fusectl's record (METADATA_RECORD)
 
 
 def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
@@ -104,15 +107,15 @@ def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], 
     :func:`read_torch` chooses (``key``), its storage aliases and the entries it ignored."""
     check_pytorch(path)
     found = read_torch(path, key)
-    return Contents(found.tensors, [path], aliases=found.aliases, state_dict_key=found.key, ignored=found.ignored,
-                    training=found.training)
+    return Contents(found.tensors, [path], found.metadata, found.metadata.get(METADATA_KEY), aliases=found.aliases,
+                    state_dict_key=found.key, ignored=found.ignored, training=found.training)
 
 
 def read_pytorch_index(path: str, key: str | None = None,
                        check_link: Callable[[str], None] | None = None) -> Contents:
     """The :class:`Contents` of a sharded PyTorch checkpoint, from its index
     (``pytorch_model.bin.index.json``); each shard's top-level state dict is read. fusectl
-    writes no PyTorch files, so the index's metadata holds no provenance of fusectl's."""
+    writes no sharded PyTorch checkpoints, so the index's metadata holds no provenance of fusectl's."""
     return dataclasses.replace(read_index(path, read_pytorch, check_link), provenance_text=None)
 
 
@@ -263,6 +266,7 @@ class _Archive:
     root: object
     storages: dict[str, _Storage]
     byteswap: bool  # the storages are big-endian
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # fusectl's record (METADATA_RECORD)
 
 
 def _read_zip(path: str, f: BinaryIO, size: int) -> _Archive:
@@ -324,7 +328,11 @@ def _read_zip(path: str, f: BinaryIO, size: int) -> _Archive:
         root = loader.run()
         for storage in loader.storages.values():
             _locate_member(path, f, size, members, f"{prefix}/data/{storage.key}", storage)
-    return _Archive(root, loader.storages, byteswap)
+        metadata = {}
+        if f"{prefix}/{METADATA_RECORD}" in members:  # written by fusectl's torch_writer
+            name = f"{prefix}/{METADATA_RECORD}"
+            metadata = string_map({name: record(name, "json-bytes")}, name, where)
+    return _Archive(root, loader.storages, byteswap, metadata)
 
 
 def _locate_member(path: str, f: BinaryIO, size: int, members: dict, name: str, storage: _Storage) -> None:
@@ -546,6 +554,10 @@ _DTYPE_NAMES = {
     "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
     "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
 }
+# the tables fusectl's writer (torch_writer) writes from: one table for reading and writing
+STORAGE_CLASSES, DTYPE_NAMES = _STORAGE_CLASSES, _DTYPE_NAMES
+# the record fusectl's writer adds to a torch.save zip: its metadata, fusectl's provenance among it
+METADATA_RECORD = "fusectl_metadata.json"
 # dtypes PyTorch has and fusectl does not: a tensor of one is refused by name, not as a strange global
 _UNSUPPORTED_DTYPES = ("complex128", "complex32", "float4_e2m1fn_x2")
 _DTYPE_GLOBALS = {f"torch.{n}" for n in (*_DTYPE_NAMES, *_UNSUPPORTED_DTYPES)}
@@ -763,7 +775,8 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
         raise CheckpointError(f"{where}: key {quote(key[:200])} {what}; the dicts of tensors are: "
                               f"{_listed(list(candidates), candidates) or 'none'}")
     tensors, aliases, ignored = _state_dict(path, archive, found.dicts[key])
-    return TorchContents(tensors, aliases, key or None, ignored, candidates, _training(path, archive, found, key))
+    return TorchContents(tensors, aliases, key or None, ignored, candidates, _training(path, archive, found, key),
+                         archive.metadata)
 
 
 def _training(path: str, archive: _Archive, found: "_Dicts", key: str) -> Training | None:
