@@ -180,7 +180,11 @@ def _optimizer_text(o: dict) -> list[str]:
         lines.append(f"  group {n}: {g['params']} parameter(s); {printable(hyper)}")
     if o["parameters"] is not None:
         keys = sorted({k for p in o["parameters"].values() for k in p["state"]})
-        lines.append(f"  state: {', '.join(keys)} of {len(o['parameters'])} parameter(s); step {o['step']}; "
+        if o["step"] is not None:
+            step = f"; step {o['step']}"
+        else:  # a step kept as a tensor is data, which inspect does not read
+            step = "; step held as tensors" if "step" in keys else ""
+        lines.append(f"  state: {', '.join(keys)} of {len(o['parameters'])} parameter(s){step}; "
                      f"order from {printable(o['order_from'])}")
     if o["problem"]:
         lines.append(f"  not mapped to its parameters: {printable(o['problem'])}")
