@@ -39,7 +39,7 @@ from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
-from .training_output import write_training, writes_training
+from .training_output import model_steps, model_ties, write_training, writes_training
 from .write import write_table
 
 __all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
@@ -218,11 +218,12 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     if whole_training:
         if max_shard_size is not None:
             raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
-        planned, _ = _edit_config(checkpoint, new, out, on_note)
-        report = write_training(checkpoint, table, new, history + planned, out, param_order_out=param_order_out,
+        edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
+        recorded = history + edited
+        report = write_training(checkpoint, table, new, recorded, out, param_order_out=param_order_out,
                                 force=force, on_note=on_note)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
-                          len((history + planned).steps), table.ties())
+                          len(recorded.steps), model_ties(table))
     if training is not None and training.optimizer_key is not None and on_note is not None:
         on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: fusectl "
                 "writes the model's tensors only, for now (plan shows the steps the state would take)")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
+from dataclasses import replace
 from typing import Callable, Mapping
 
 from .errors import PlanError, option, printable, quote
@@ -129,6 +130,19 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
     copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
     return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),
                        copied, nbytes)
+
+
+def model_ties(table: ParamTable) -> list[list[str]]:
+    """The tie groups of ``table``'s model tensors (a tied parameter's state is tied alike)."""
+    return [g for g in table.ties() if not any(STATE_SEP in n for n in g)]
+
+
+def model_steps(plan: Plan) -> Plan:
+    """``plan`` without the optimizer state's steps: what the provenance records (the state
+    follows its parameters by rule; a replay or an inverse acts on the model's tensors)."""
+    return Plan(tuple(replace(g, steps=tuple(s for s in g.steps
+                                             if not any(STATE_SEP in n for n in (*s.inputs, *s.outputs))))
+                      for g in plan.groups))
 
 
 def _origins(inputs, plan: Plan) -> dict[str, set]:

@@ -65,6 +65,24 @@ def test_the_model_tensors_equal_a_safetensors_fuse(tmp_path):
     assert written.provenance is not None and len(written.provenance.plan.groups) == 2
 
 
+def test_the_provenance_records_the_models_steps_so_verify_and_unfuse_work(tmp_path):
+    out = tmp_path / "fused.pt"
+    fused = ok(run_cli("fuse", TRAINING / "llama-adamw.pt", *RULES, "-o", out, "--json")).json()
+    alone = ok(run_cli("fuse", TRAINING / "llama-adamw.pt", *RULES, "-o", tmp_path / "m.safetensors",
+                       "--json")).json()
+    assert fused["steps"] == alone["steps"] == 4 and fused["ties"] == []
+    assert fused["unique_bytes"] == alone["unique_bytes"] and fused["written_bytes"] > alone["written_bytes"]
+    steps = fusectl.open_checkpoint(str(out)).provenance.plan.steps
+    assert not any("::" in n for s in steps for n in (*s.inputs, *s.outputs))
+    ok(run_cli("verify", TRAINING / "llama-adamw.pt", out))
+    ok(run_cli("unfuse", out, "-o", tmp_path / "restored.safetensors"))
+    restored = fusectl.open_checkpoint(str(tmp_path / "restored.safetensors"))
+    original = fusectl.open_checkpoint(str(TRAINING / "llama-adamw.pt"))
+    assert sorted(restored.table.names()) == sorted(original.table.names())
+    for name in original.table.names():
+        assert restored.table[name].read().tobytes() == original.table[name].read().tobytes(), name
+
+
 @pytest.mark.parametrize("kind,keys", [("adamw", ["exp_avg", "exp_avg_sq"]), ("sgd", ["momentum_buffer"])])
 def test_each_fused_state_is_the_concat_of_its_parts_states_and_step_is_kept_once(tmp_path, kind, keys):
     out = _fuse(tmp_path, kind)
@@ -137,6 +155,15 @@ def test_param_order_out_missing_a_parameter_is_exit_2_naming_it_and_nothing_wri
     assert "'model.layers.1.mlp.gate_up_proj.weight' is not listed" in result.stderr
     assert "--param-order-out" in result.stderr
     assert snapshot(tmp_path) == before
+
+
+def test_param_order_out_naming_a_tensor_the_fused_model_lacks_is_exit_2(tmp_path):
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps(phi3_order() + ["model.layers.0.self_attn.q_proj.weight"]))
+    result = run_cli("fuse", TRAINING / "llama-adamw.pt", *RULES, "-o", tmp_path / "out.pt",
+                     "--param-order-out", order)
+    assert result.exit_code == 2 and "'model.layers.0.self_attn.q_proj.weight' is not a tensor" in result.stderr
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_param_order_out_for_an_output_that_holds_the_model_only_is_exit_2(tmp_path):
