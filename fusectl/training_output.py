@@ -64,13 +64,13 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
     origins = _origins(inputs, plan)
     position = {n: i for i, n in enumerate(inputs)}
 
-    def first_part(name: str) -> tuple:
-        parts = origins.get(name, {name})
-        return (min((position[p] for p in parts if p in position), default=len(position)),)
+    def first_part(name: str) -> int:
+        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
 
     order = read_order(os.fspath(param_order_out)) if param_order_out is not None else []
     rank = {n: i for i, n in enumerate(order)}  # a given order orders the state dict as well
-    model_order = sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), model_names.index(n)))
+    made_at = {n: i for i, n in enumerate(model_names)}
+    model_order = sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n]))
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
 
     # each output parameter of the optimizer: the unique name, its group, its input ids
