@@ -39,6 +39,7 @@ from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
+from .training_output import model_steps, model_ties, write_training, writes_training
 from .write import write_table
 
 __all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
@@ -205,12 +206,24 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
 
 
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
-           progress, on_note, lora_base: Plan | None = None) -> FuseReport:
+           progress, on_note, lora_base: Plan | None = None, whole_training: bool = False,
+           param_order_out: str | None = None) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
-    ``adapter_model.safetensors`` with the base plan its steps were lifted from."""
+    ``adapter_model.safetensors`` with the base plan its steps were lifted from.
+    ``whole_training``: ``table`` holds the optimizer state too, and the whole training dict is
+    written (``training_output``; ``param_order_out`` its parameter order)."""
     out = os.fspath(out)
     training = checkpoint.training
+    if whole_training:
+        if max_shard_size is not None:
+            raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
+        edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
+        recorded = history + edited
+        report = write_training(checkpoint, table, new, recorded, out, param_order_out=param_order_out,
+                                force=force, on_note=on_note)
+        return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
+                          len(recorded.steps), model_ties(table))
     if training is not None and training.optimizer_key is not None and on_note is not None:
         on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: fusectl "
                 "writes the model's tensors only, for now (plan shows the steps the state would take)")
@@ -271,9 +284,16 @@ def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple
 def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, force: bool = False,
          untie: bool = False, detect_ties: bool = False, write_ties_once: bool = False,
          config: str | None = None, follow_symlinks: bool = False, key: str | None = None,
-         progress: bool | None = False, on_note: Callable[[str], None] | None = None) -> FuseReport:
+         progress: bool | None = False, on_note: Callable[[str], None] | None = None,
+         param_order: str | None = None, param_order_out: str | None = None) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
+
+    A training dict with an optimizer written to a PyTorch file (``.pt``, ``.pth``, ``.bin``,
+    ``.ckpt``) is written whole: the fused model, the optimizer with its state moved (each
+    state tensor takes its parameter's steps) and its ids renumbered in the output parameter
+    order, every other entry kept (``fusectl.training_output``). Other outputs hold the model
+    only.
 
     :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param rules: rules files or preset names, applied in order (at least one).
@@ -289,8 +309,15 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
     :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
     :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
+    :param param_order: as :func:`plan`'s: the input optimizer's parameter order, where shapes
+        do not prove it.
+    :param param_order_out: for a training dict written whole, a JSON list of the fused model's
+        parameters in its order (``[n for n, _ in new_model.named_parameters()]``): each param
+        group's parameters are numbered in it (default: the state dict's order, a fused
+        parameter where its first part was).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
-    :raises PlanError: as :func:`plan` does; ComputeError when a step's data is invalid for its
+    :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
+        optimizer state cannot follow); a parameter ``param_order_out`` does not list; ComputeError when a step's data is invalid for its
         op; OutputError when ``out`` exists (without ``force``) or would overwrite an input.
 
     >>> import os, tempfile
@@ -300,13 +327,18 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     (2, True)
     """
     started = time.monotonic()
-    planned = _plan(_checkpoint(ckpt, config, follow_symlinks, key), rules, untie, detect_ties, write_ties_once,
-                    training=False)
-    checkpoint = planned.checkpoint
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
+    whole = writes_training(checkpoint, out)
+    if param_order_out is not None and not whole:
+        raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training dict written whole "
+                        f"(a PyTorch output of a training dict with an optimizer); {os.fspath(out)} is not one, "
+                        "so leave it out")
+    planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole)
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
-                         force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base), started)
+                         force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
+                         whole_training=whole, param_order_out=param_order_out), started)
 
 
 def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,

@@ -284,7 +284,12 @@ def with_output_options(fn):
 @write_once_option
 @config_option
 @json_option
-def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json):
+@order_option
+@click.option("--param-order-out", "param_order_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="For a training dict written whole (-o FILE.pt): a JSON list of the fused model's parameters "
+                   "in its order ([n for n, _ in new_model.named_parameters()]); the optimizer's ids follow it.")
+def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
+             param_order, param_order_out):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -295,7 +300,8 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
     _emit(api.fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie, detect_ties=adopt,
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
-                   progress=False if quiet else None, on_note=_note), as_json)
+                   progress=False if quiet else None, on_note=_note, param_order=param_order,
+                   param_order_out=param_order_out), as_json)
 
 
 @command(main, "unfuse")

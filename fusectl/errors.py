@@ -86,6 +86,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "config": ("--config", _VALUE, "FILE"),
     "key": ("--key", _VALUE, "KEY"),
     "param_order": ("--param-order", _VALUE, "FILE"),
+    "param_order_out": ("--param-order-out", _VALUE, "FILE"),
     "max_shard_size": ("--max-shard-size", _VALUE, "SIZE"),
     "out": ("-o", _VALUE, "OUT"),
     "graph": ("--graph", _VALUE, "GRAPH"),

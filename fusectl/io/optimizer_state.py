@@ -331,6 +331,15 @@ def training_tree(root: object, model_key: str | None, model: object, optimizer_
     return out
 
 
+def node_at(tree: object, key: str) -> object:
+    """The entry of ``tree`` at the dotted ``key`` (a list indexed by number)."""
+    node = tree
+    for part in key.split("."):
+        node = node[int(part)] if isinstance(node, (list, tuple)) else \
+            next(v for k, v in node.items() if str(k) == part)
+    return node
+
+
 def optimizer_tree(state: OptimizerState) -> dict:
     """``state`` as an optimizer ``state_dict()`` again (the tree :func:`parse_optimizer` reads)."""
     groups = []
@@ -414,10 +423,7 @@ class Training:
         if self.optimizer_key is None:
             return None
         if self._optimizer is None:
-            node = self.tree()
-            for part in self.optimizer_key.split("."):
-                node = node[int(part)] if isinstance(node, (list, tuple)) else \
-                    next(v for k, v in node.items() if str(k) == part)
+            node = node_at(self.tree(), self.optimizer_key)
             self._optimizer = parse_optimizer(node, self.optimizer_key, self.path)
         return self._optimizer
 

@@ -1,0 +1,212 @@
+"""A fused training dict written whole: the model, the optimizer with its state moved, the rest kept.
+
+When ``fuse`` reads a training dict whose optimizer state it can map (``Checkpoint.training``
+with an optimizer) and writes a PyTorch file, it plans the state tensors with their parameters
+(``<name>::<key>`` entries of the table, ``followers.optimizer``) and this module assembles
+what ``torch.save`` would have written for the fused model's training:
+
+- the model state dict: the fused table's tensors as a ``collections.OrderedDict`` (tied names
+  one tensor, so one storage), each fused tensor where its first part was (in the given
+  parameter order when there is one);
+- the optimizer: ``param_groups`` with their hyperparameters as read, ``params`` renumbered
+  0..n-1 over the groups in the output parameter order, ``state`` keyed by the new ids with
+  each parameter's moved state tensors and its numbers (kept once for a fused parameter);
+- every other entry of the training dict as read; fusectl's provenance in its metadata record.
+
+The output parameter order is, by default, the state dict's: a fused parameter takes the
+position of its first part. A model that declares its parameters in another order (Phi-3
+declares ``o_proj`` before ``qkv_proj``) is given it as a JSON list
+(``[n for n, _ in new_model.named_parameters()]``; ``param_order_out``): each group's
+parameters are sorted by it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import replace
+from typing import Callable, Mapping
+
+from .errors import PlanError, option, printable, quote
+from .followers.optimizer import STATE_SEP
+from .io.atomic import atomic_output
+from .io.checkpoint import Checkpoint
+from .io.formats import output_kind
+from .io.optimizer_state import node_at, read_order, training_tree
+from .steps import Plan
+from .table import ParamTable
+from .tensors import LazyTensor
+from .write import WriteReport, output_metadata
+
+
+def writes_training(checkpoint: Checkpoint, out) -> bool:
+    """Whether ``fuse`` writes ``checkpoint``'s whole training dict to ``out``: a training dict
+    with an optimizer beside its model, written as a PyTorch file."""
+    training = checkpoint.training
+    return (training is not None and training.optimizer_key is not None
+            and output_kind(os.fspath(out)) == "pytorch")
+
+
+def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
+                   param_order_out: str | None = None, force: bool = False,
+                   on_note: Callable[[str], None] | None = None) -> WriteReport:
+    """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its
+    training table) as its model and optimizer state, ``recorded`` as its provenance.
+
+    :raises PlanError: a parameter of a param group that ``param_order_out`` does not list, a
+        name it lists that the fused model does not hold, a fused parameter whose parts have
+        different numbers of state or sit in two groups. Nothing is written then.
+    """
+    training = checkpoint.training
+    state, mapping = checkpoint.optimizer_mapped
+    model_names = [n for n in table.entries if STATE_SEP not in n]
+    inputs = list(checkpoint.table.entries)  # the state dict's order
+    origins = _origins(inputs, plan)
+    position = {n: i for i, n in enumerate(inputs)}
+
+    def first_part(name: str) -> int:
+        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
+
+    order = read_order(os.fspath(param_order_out)) if param_order_out is not None else []
+    rank = {n: i for i, n in enumerate(order)}  # a given order orders the state dict as well
+    made_at = {n: i for i, n in enumerate(model_names)}
+    model_order = sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n]))
+    model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
+
+    # each output parameter of the optimizer: the unique name, its group, its input ids
+    group_of = {name: state.group_of(pid) for pid, name in mapping.names.items()}
+    id_of = {name: pid for pid, name in mapping.names.items()}
+    members: dict[str, list] = {}
+    for name in model_order:
+        unique = table.unique_name(name)
+        if unique != name or unique in members:
+            continue
+        made = sorted(origins.get(name, {name}), key=lambda p: position.get(p, len(position)))
+        parts = [p for p in dict.fromkeys(checkpoint.table.unique_name(p) for p in made if p in checkpoint.table)
+                 if p in id_of]
+        if parts:
+            members[unique] = parts
+    groups: list[list[str]] = [[] for _ in state.groups]
+    for name, parts in members.items():
+        found = {group_of[p] for p in parts}
+        if len(found) > 1:
+            raise PlanError(f"{printable(checkpoint.path)}: {quote(name)} is made of parameters of two optimizer "
+                            f"param groups ({quote(parts[0])} and another); the optimizer cannot hold it")
+        groups[found.pop()].append(name)
+    if param_order_out is not None:
+        groups = _ordered(groups, order, model_names, param_order_out)
+
+    new_ids, new_states = [], {}
+    number = 0
+    for group in groups:
+        ids = []
+        for name in group:
+            ids.append(number)
+            entry = _state_of(name, members[name], state, id_of, table, checkpoint.path)
+            if entry:
+                new_states[number] = entry
+            number += 1
+        new_ids.append(ids)
+    optimizer = node_at(training.tree(), training.optimizer_key)
+    new_groups = []
+    for g, ids, names in zip(optimizer["param_groups"], new_ids, groups):
+        d = dict(g)
+        d["params"] = ids
+        if "param_names" in d:
+            d["param_names"] = list(names)
+        new_groups.append(d)
+    new_optimizer = {**optimizer, "state": new_states, "param_groups": new_groups}
+    root = training_tree(training.tree(), training.model_key, model, training.optimizer_key, new_optimizer)
+
+    model_table = table.copy()
+    model_table.remove([n for n in table.entries if STATE_SEP in n])
+    shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
+    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata}
+    written = {id(t): t for t in _tensors(root)}
+    from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
+    with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
+        write_torch_file(temp, root, metadata=metadata)
+    nbytes = sum(t.spec.nbytes for t in written.values())
+    copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
+    return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),
+                       copied, nbytes)
+
+
+def model_ties(table: ParamTable) -> list[list[str]]:
+    """The tie groups of ``table``'s model tensors (a tied parameter's state is tied alike)."""
+    return [g for g in table.ties() if not any(STATE_SEP in n for n in g)]
+
+
+def model_steps(plan: Plan) -> Plan:
+    """``plan`` without the optimizer state's steps: what the provenance records (the state
+    follows its parameters by rule; a replay or an inverse acts on the model's tensors)."""
+    return Plan(tuple(replace(g, steps=tuple(s for s in g.steps
+                                             if not any(STATE_SEP in n for n in (*s.inputs, *s.outputs))))
+                      for g in plan.groups))
+
+
+def _origins(inputs, plan: Plan) -> dict[str, set]:
+    """Each model tensor name → the input names it is made from, through the plan's steps."""
+    origins = {n: {n} for n in inputs if STATE_SEP not in n}
+    for group in plan.groups:
+        for step in group.steps:
+            if any(STATE_SEP in n for n in step.outputs):
+                continue
+            made = set().union(*(origins.get(n, {n}) for n in step.inputs))
+            for n in step.outputs:
+                origins[n] = made
+    return origins
+
+
+def _ordered(groups: list[list[str]], order: list[str], model_names: list[str], where) -> list[list[str]]:
+    """Each group sorted by ``order`` (PlanError: a parameter it does not list, or a name the fused
+    model does not hold)."""
+    at = dict((n, i) for i, n in enumerate(order))
+    known = set(model_names)
+    stray = next((n for n in order if n not in known), None)
+    if stray is not None:
+        raise PlanError(f"{printable(os.fspath(where))}: {quote(stray)} is not a tensor of the fused model; "
+                        f"{option('param_order_out')} lists [n for n, _ in new_model.named_parameters()]")
+    for group in groups:
+        missing = next((n for n in group if n not in at), None)
+        if missing is not None:
+            raise PlanError(f"{printable(os.fspath(where))}: the optimizer's parameter {quote(missing)} is not "
+                            f"listed; {option('param_order_out')} must list every parameter of the fused model "
+                            "([n for n, _ in new_model.named_parameters()])")
+    return [sorted(group, key=at.__getitem__) for group in groups]
+
+
+def _state_of(name: str, parts: list[str], state, id_of: Mapping, table: ParamTable, path: str) -> dict:
+    """The optimizer state of output parameter ``name``: its moved tensors from ``table``, its
+    numbers from its parts' states (equal across them, kept once)."""
+    first = state.states.get(id_of[parts[0]], {})
+    entry = {}
+    for key, value in first.items():
+        moved = table.entries.get(f"{name}{STATE_SEP}{key}")
+        if moved is not None:
+            entry[key] = moved
+            continue
+        if isinstance(value, LazyTensor):
+            raise PlanError(f"{printable(path)}: the state {quote(key)} of {quote(name)} was not moved with it; "
+                            "fusectl cannot write this optimizer")
+        values = {state.states.get(id_of[p], {}).get(key) for p in parts}
+        if len(values) != 1:
+            raise PlanError(f"{printable(path)}: the parts of {quote(name)} hold different {quote(key)} states "
+                            f"({', '.join(map(repr, sorted(values, key=repr)))}); one fused parameter keeps one")
+        entry[key] = value
+    for p in parts[1:]:
+        if set(state.states.get(id_of[p], {})) != set(first):
+            raise PlanError(f"{printable(path)}: the parts of {quote(name)} hold different state keys "
+                            f"({quote(parts[0])} and {quote(p)}); one fused parameter keeps one state")
+    return entry
+
+
+def _tensors(tree):
+    if isinstance(tree, LazyTensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
