@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from .errors import PlanError, VerifyError, option, option_name, printable, quote, speaking_cli
-from .executor import run_plan
+from .executor import apply_group, run_plan
 from .config_edit import resolve_edits
 from .inspection import InspectReport, inspect_checkpoint
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
@@ -207,12 +207,13 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
 
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
            progress, on_note, lora_base: Plan | None = None, whole_training: bool = False,
-           param_order_out: str | None = None) -> FuseReport:
+           param_order_out: str | None = None, moved: Plan | None = None) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from.
     ``whole_training``: ``table`` holds the optimizer state too, and the whole training dict is
-    written (``training_output``; ``param_order_out`` its parameter order)."""
+    written (``training_output``; ``param_order_out`` its parameter order; ``moved`` the plan that
+    made ``table`` when it is not ``new``, as for an unfuse, which records no steps)."""
     out = os.fspath(out)
     training = checkpoint.training
     if whole_training:
@@ -220,7 +221,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
             raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
         edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        report = write_training(checkpoint, table, new, recorded, out, param_order_out=param_order_out,
+        report = write_training(checkpoint, table, new if moved is None else moved, recorded, out, param_order_out=param_order_out,
                                 force=force, on_note=on_note)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table))
@@ -351,6 +352,11 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     those the provenance records the rule making; the others are left alone (``on_note`` hears
     how many), and without a provenance every binding is a PlanError naming the tensor.
 
+    A fused training dict (one with an optimizer) unfused from its provenance to a PyTorch file
+    is written whole, as :func:`fuse` writes it: each inverse step lifted to the optimizer's
+    state, the parameters in the unfused table's order (a fused parameter's parts where it was:
+    the original order after a fuse in the default order), every other entry kept.
+
     :param ckpt: the fused checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param out: the output: ``FILE.safetensors``, ``FILE.npz`` or a folder.
     :param rules: rules files or preset names to invert (default: the recorded provenance).
@@ -393,15 +399,32 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
             raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass {option('rules')} to invert "
                             "rules instead")
-        start = checkpoint.table.copy()
+        whole = writes_training(checkpoint, out)
+        start = checkpoint.training_table() if whole else checkpoint.table.copy()
         if write_ties_once:
             start.store_once()
         inverse = checkpoint.provenance.plan.inverse()
+        if whole:  # the optimizer state takes each inverse step with its parameter
+            inverse = _lifted(start, inverse, checkpoint.followers.riders(), untie)
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base = None
+        if whole:
+            return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
+                                 progress=progress, on_note=on_note, whole_training=True, moved=inverse), started)
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base), started)
+
+
+def _lifted(table: ParamTable, plan: Plan, riders, untie: bool) -> Plan:
+    """``plan`` with each group's steps lifted to the ``riders`` (an optimizer's state), each on
+    ``table`` as the groups before left it."""
+    current = table.copy()
+    groups = []
+    for group in plan.groups:
+        steps = riders.lift(group.steps, current, group.describe())
+        groups.append(apply_group(current, replace(group, steps=tuple(steps)), untie))
+    return Plan(tuple(groups))
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:

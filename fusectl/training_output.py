@@ -18,6 +18,10 @@ position of its first part. A model that declares its parameters in another orde
 declares ``o_proj`` before ``qkv_proj``) is given it as a JSON list
 (``[n for n, _ in new_model.named_parameters()]``; ``param_order_out``): each group's
 parameters are sorted by it.
+
+``unfuse`` of such a file from its provenance writes it the same way, with the inverse plan
+lifted to the state (``api.unfuse``): each part takes its fused parameter's place, so a fuse
+in the default order unfuses to the original training dict, bitwise and in order.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ parts' states (bitwise), ``step`` is kept once, the param groups shrink from 16 
 with their hyperparameters, the other entries are kept. With torch and transformers (skipped
 without; run by hand with ``/work/venv-gen/bin/python -m pytest``), the file fused in Phi-3's
 parameter order resumes on ``Phi3ForCausalLM`` with the losses of the unfused resumed run.
+``unfuse`` of each fused file (and of lightning.ckpt's) gives back the original training dict,
+every tensor bitwise and every dict in its order.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli, snapshot
+from fusectl.tensors import LazyTensor
 
 TRAINING = FIXTURES / "training"
 RULES = ["-r", "llama-qkv", "-r", "llama-gate-up"]
@@ -219,3 +222,55 @@ def test_a_lightning_ckpt_is_written_whole_with_its_one_optimizer_moved(tmp_path
     assert list(new_tree) == list(old_tree)
     for key in ("epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks", "lr_schedulers"):
         assert new_tree[key] == old_tree[key], key
+
+
+def _differences(a, b, where="") -> list[str]:
+    """Where two training trees (``Checkpoint.training.tree()``) differ: a tensor's dtype, shape
+    or bytes, a dict's keys or their order, a list's length, any other value."""
+    if isinstance(a, LazyTensor) or isinstance(b, LazyTensor):
+        if not (isinstance(a, LazyTensor) and isinstance(b, LazyTensor)):
+            return [f"{where}: a tensor and {type(b if isinstance(a, LazyTensor) else a).__name__}"]
+        if (a.spec.dtype, tuple(a.spec.shape)) != (b.spec.dtype, tuple(b.spec.shape)):
+            return [f"{where}: {a.spec} != {b.spec}"]
+        return [] if a.read().tobytes() == b.read().tobytes() else [f"{where}: other bytes"]
+    if type(a) is not type(b):
+        return [f"{where}: {type(a).__name__} != {type(b).__name__}"]
+    if isinstance(a, dict):
+        found = [] if list(a) == list(b) else [f"{where}: keys {list(a)} != {list(b)}"]
+        return found + [d for k in a if k in b for d in _differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} items != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+@pytest.mark.parametrize("name", ["llama-adamw.pt", "llama-sgd.pt", "lightning.ckpt"])
+def test_unfuse_of_a_fused_training_dict_gives_back_the_whole_training_dict_bitwise(tmp_path, name):
+    # model, optimizer state and param groups, every other entry, and every dict's order
+    suffix = name.rsplit(".", 1)[1]
+    fused, back = tmp_path / f"fused.{suffix}", tmp_path / f"back.{suffix}"
+    ok(run_cli("fuse", TRAINING / name, *RULES, "-o", fused))
+    result = ok(run_cli("unfuse", fused, "-o", back, "--json"))
+    assert result.json()["tensors"] == 21 and "is not written" not in result.stderr
+    original, restored = fusectl.open_checkpoint(str(TRAINING / name)), fusectl.open_checkpoint(str(back))
+    assert restored.training.optimizer_key == original.training.optimizer_key
+    assert [g.params for g in restored.optimizer.groups] == [g.params for g in original.optimizer.groups]
+    assert _differences(original.training.tree(), restored.training.tree()) == []
+    assert list(restored.provenance.plan.steps) == []  # as for a model unfused: no steps recorded
+
+
+def test_the_tree_comparison_sees_a_fused_training_dict_differ(tmp_path):
+    out = _fuse(tmp_path)
+    found = _differences(fusectl.open_checkpoint(str(TRAINING / "llama-adamw.pt")).training.tree(),
+                         fusectl.open_checkpoint(str(out)).training.tree())
+    assert any(d.startswith(".model_state_dict: keys") for d in found)
+    assert any(d.startswith(".optimizer_state_dict.state.1.exp_avg: ") for d in found)
+
+
+def test_unfuse_of_a_fused_training_dict_to_safetensors_still_holds_the_model_only(tmp_path):
+    fused = _fuse(tmp_path)
+    result = ok(run_cli("unfuse", fused, "-o", tmp_path / "back.safetensors"))
+    assert "optimizer state (optimizer_state_dict) is not written" in result.stderr
+    restored = fusectl.open_checkpoint(str(tmp_path / "back.safetensors"))
+    assert restored.training is None and len(restored.table.names()) == 21
