@@ -66,9 +66,14 @@ def test_a_tied_model_loads_in_transformers_after_fuse_and_unfuse(cli, tmp_path)
     io = np.load(FIXTURES / "tiny-llama-tied.io.npz")
     model, info = transformers.LlamaForCausalLM.from_pretrained(str(back), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    original = transformers.LlamaForCausalLM.from_pretrained(str(TIED))
     with torch.no_grad():
         logits = model(torch.tensor(io["input_ids"])).logits.numpy()
-    np.testing.assert_array_equal(logits, io["logits"])
+        expected = original(torch.tensor(io["input_ids"])).logits.numpy()
+    # bitwise against the original run here; the recorded logits came from another machine's
+    # float32 arithmetic (a last-bit difference there is the CPU's, not the checkpoint's)
+    np.testing.assert_array_equal(logits, expected)
+    np.testing.assert_allclose(logits, io["logits"], rtol=1e-5, atol=1e-6)
 
 
 def test_fuse_and_unfuse_of_a_sentence_transformers_folder_keep_every_other_file(cli, tmp_path):
