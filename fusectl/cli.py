@@ -10,11 +10,23 @@ import signal
 import sys
 import traceback
 
+from typing import TYPE_CHECKING
+
 import click
 
-from . import api
 from .errors import FusectlError, cli_vocabulary, printable
 from .version import __version__
+
+if TYPE_CHECKING:
+    from . import api
+
+
+def _api():
+    """``fusectl.api``, imported when a command needs it: ``--version`` and ``--help`` pay only
+    for click (the API pulls in numpy and ml_dtypes, most of a command's start-up)."""
+    from . import api
+
+    return api
 
 EXIT_DIFFERENT = 1
 EXIT_BAD_INPUT = 2
@@ -168,7 +180,7 @@ def _forward_plan(ckpt, rules, config_path, untie, adopt, param_order=None) -> a
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
     extra = {"param_order": param_order} if param_order else {}
-    return api.plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs(), **extra)
+    return _api().plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs(), **extra)
 
 
 rules_option = click.option("-r", "--rules", "rules", multiple=True, metavar="RULES",
@@ -205,7 +217,7 @@ def inspect_cmd(ckpt, as_json, detect, config_path, param_order):
     Example:
       fusectl inspect fixtures/tied-embeddings.safetensors --json
     """
-    report = api.inspect(ckpt, config=config_path, detect_ties=detect, param_order=param_order, **_inputs())
+    report = _api().inspect(ckpt, config=config_path, detect_ties=detect, param_order=param_order, **_inputs())
     _emit(report, as_json)
 
 
@@ -298,7 +310,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
     """
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
-    _emit(api.fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie, detect_ties=adopt,
+    _emit(_api().fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie, detect_ties=adopt,
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
                    param_order_out=param_order_out), as_json)
@@ -320,7 +332,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     Example:
       fusectl unfuse fused/ -o restored/
     """
-    _emit(api.unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
+    _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note), as_json)
 
@@ -343,7 +355,7 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     Example:
       fusectl convert training.pth --key model_state_dict -o model.safetensors
     """
-    _emit(api.convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
+    _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
                       config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note), as_json)
 
 
@@ -363,12 +375,12 @@ def map_cmd(ckpt, graph, as_json, config_path):
     Example:
       fusectl map fixtures/onnx/bert/model.safetensors fixtures/onnx/bert/model.onnx
     """
-    c = api.open_input(ckpt, config=config_path, **_inputs())
-    result = api.map_names(c, graph)
+    c = _api().open_input(ckpt, config=config_path, **_inputs())
+    result = _api().map_names(c, graph)
     if as_json:
         _emit_json(result.to_json())
     else:
-        click.echo(api.name_map_text(result, ckpt, graph, len(c.table.names())))
+        click.echo(_api().name_map_text(result, ckpt, graph, len(c.table.names())))
 
 
 @command(main, "export")
@@ -401,7 +413,7 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
       fusectl verify fixtures/onnx/bert/model.onnx bert-fused.onnx --inputs fixtures/onnx/bert/io.npz
     """
     # opened first: a missing checkpoint is named before a bad output name
-    _emit(api.export(api.open_input(ckpt, config=config_path, **_inputs()), graph, out, force=force,
+    _emit(_api().export(_api().open_input(ckpt, config=config_path, **_inputs()), graph, out, force=force,
                      on_note=_note), as_json)
 
 
@@ -465,7 +477,7 @@ class ToleranceType(click.ParamType):
         if isinstance(value, float):  # already converted
             return value
         try:
-            return api.check_tolerance(param.opts[0] if param is not None else "tolerance", value)
+            return _api().check_tolerance(param.opts[0] if param is not None else "tolerance", value)
         except FusectlError as e:
             if ctx is None:
                 self.fail(str(e), param, ctx)
@@ -480,12 +492,12 @@ class SeedType(click.ParamType):
 
     def convert(self, value, param, ctx):
         if isinstance(value, int):  # already converted (the default)
-            return api.check_seed(value)
+            return _api().check_seed(value)
         text = str(value).strip()
         try:
             if not text.lstrip("+-").isdigit() or not text.isascii():
                 raise FusectlError(f"--seed {value!r}: give a whole number >= 0")
-            return api.check_seed(int(text))
+            return _api().check_seed(int(text))
         except (FusectlError, ValueError) as e:  # ValueError: more digits than Python converts
             message = str(e) if isinstance(e, FusectlError) else f"--seed: {len(text)} digits; give a smaller seed"
             if ctx is None:
@@ -539,7 +551,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             if parsed[option].get(name, value) != value:
                 _fail(ctx, f"{option} {printable(name)} is given twice with different sizes; give it once")
             parsed[option][name] = value
-    report = api.verify(reference, candidate, rules=rules, provider=provider, atol=atol, rtol=rtol,
+    report = _api().verify(reference, candidate, rules=rules, provider=provider, atol=atol, rtol=rtol,
                         shapes=parsed["--input"], dims=parsed["--dim"], inputs=inputs_file, seed=seed,
                         config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note)
     click.echo(report.to_text())
@@ -555,7 +567,7 @@ def rules_group():
 @command(rules_group, "list")
 def rules_list():
     """Name each preset with its one-line description."""
-    presets = api.presets()
+    presets = _api().presets()
     width = max(len(n) for n in presets)
     for name, description in presets.items():
         click.echo(f"{name:<{width}}  {description}")
@@ -565,7 +577,7 @@ def rules_list():
 @click.argument("name")
 def rules_show(name):
     """Print a preset's rules file."""
-    click.echo(api.preset_text(name), nl=False)
+    click.echo(_api().preset_text(name), nl=False)
 
 
 if __name__ == "__main__":  # pragma: no cover
