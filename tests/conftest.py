@@ -298,3 +298,14 @@ def llama_tensors(copy_fixture):
 
     src = copy_fixture(LLAMA, "llama-src")
     return safetensors.numpy.load_file(str(src / "model.safetensors"))
+
+
+# a concat of q_proj [hidden, hidden] with down_proj [hidden, intermediate]: its shapes do not fit
+BAD_CONCAT_RULES = """
+version = 1
+[[rule]]
+name = "bad-concat"
+op = "concat"
+inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.mlp.down_proj.weight"]
+output = "model.layers.{i:int}.nonsense.weight"
+"""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BF16, LLAMA, assert_refused, leftovers, load_checkpoint_raw, ok, snapshot, write_rules
+from conftest import BAD_CONCAT_RULES, BF16, LLAMA, assert_refused, leftovers, load_checkpoint_raw, ok, snapshot, write_rules
 from fusectl.errors import OutputError
 from fusectl.io import atomic
 from fusectl.io.atomic import atomic_output, temporary_name
@@ -222,14 +222,7 @@ def test_failed_run_with_force_keeps_old_output(cli, area, copy_fixture):
     out = area / "out" / "fused"
     ok(cli("fuse", src, "-r", "llama-qkv", "-o", out))
     old = snapshot(area / "out")
-    rules = write_rules(area / "in" / "shape.toml", """
-version = 1
-[[rule]]
-name = "bad-concat"
-op = "concat"
-inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.mlp.down_proj.weight"]
-output = "model.layers.{i:int}.nonsense.weight"
-""")
+    rules = write_rules(area / "in" / "shape.toml", BAD_CONCAT_RULES)
     result = cli("fuse", src, "-r", rules, "-o", out, "--force")
     assert result.exit_code == 2 and result.stderr.startswith("error:")
     assert snapshot(area / "out") == old

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from conftest import LLAMA, refuse_case, write_rules
+from conftest import BAD_CONCAT_RULES, LLAMA, refuse_case, write_rules
 from fusectl.dtypes import ARRAY_DTYPES, BY_NAME
 from fusectl.errors import PlanError
 from fusectl.ops.layout import (
@@ -716,13 +716,5 @@ def test_infer_rejects_bad_parameters(op):
 
 def test_shape_mismatch_in_concat(cli, area, copy_fixture):
     src = copy_fixture(LLAMA)
-    rules = write_rules(area / "in" / "shape.toml", """
-version = 1
-[[rule]]
-name = "bad-concat"
-op = "concat"
-inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.mlp.down_proj.weight"]
-output = "model.layers.{i:int}.nonsense.weight"
-axis = 0
-""")
+    rules = write_rules(area / "in" / "shape.toml", BAD_CONCAT_RULES + "axis = 0\n")
     refuse_case(cli, area, src, "-r", rules, needles=["bad-concat", "down_proj"])
