@@ -45,11 +45,14 @@ from .write import WriteReport, output_metadata
 
 
 def writes_training(checkpoint: Checkpoint, out) -> bool:
-    """Whether ``fuse`` writes ``checkpoint``'s whole training dict to ``out``: a training dict
-    with an optimizer beside its model, written as a PyTorch file."""
+    """Whether ``fuse`` writes ``checkpoint``'s whole training checkpoint to ``out``: a training
+    dict with an optimizer beside its model, written as a PyTorch file, or a Hugging Face
+    Trainer folder (``io.trainer_folder``) written as a folder (``trainer_output``)."""
     training = checkpoint.training
-    return (training is not None and training.optimizer_key is not None
-            and output_kind(os.fspath(out)) == "pytorch")
+    if training is None or training.optimizer_key is None:
+        return False
+    kind = "folder" if isinstance(training, TrainerOptimizer) else "pytorch"
+    return output_kind(os.fspath(out)) == kind
 
 
 def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
