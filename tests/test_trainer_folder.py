@@ -376,3 +376,22 @@ def test_the_order_from_the_models_code_is_the_llamas_named_parameters():
                       ({k: v for k, v in config.items() if k != "model_type"}, "no 'architectures' and 'model_type'")):
         with pytest.raises(CheckpointError, match=said):
             order_from_model(bad, "config.json")
+
+
+def test_plan_lists_the_state_steps_under_their_parameters(orders):
+    planned = ok(run_cli("plan", CHECKPOINT, *RULES, "--param-order", orders[0], "--json")).json()
+    outputs = [o for g in planned["groups"] for s in g["steps"] for o in s["outputs"]]
+    assert "model.layers.0.self_attn.qkv_proj.weight::exp_avg" in outputs
+    assert "model.layers.1.mlp.gate_up_proj.weight::exp_avg_sq" in outputs
+
+
+def test_an_adapters_trainer_folder_fuses_its_adapter_as_before(tmp_path):
+    # a PEFT adapter's optimizer.pt holds the adapter's state: not mapped (yet), never copied stale
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(FIXTURES / "lora" / "llama-lora", folder)
+    for name in ("optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        shutil.copy2(CHECKPOINT / name, folder / name)
+    out = tmp_path / "out"
+    ok(run_cli("fuse", folder, *RULES, "--config", FIXTURES / "lora" / "llama-base" / "config.json", "-o", out))
+    assert "optimizer.pt" not in os.listdir(out) and "adapter_model.safetensors" in os.listdir(out)
+    assert (out / "scheduler.pt").read_bytes() == (CHECKPOINT / "scheduler.pt").read_bytes()

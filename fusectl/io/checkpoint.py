@@ -221,7 +221,9 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         target, fmt = pick_in_folder(folder, exclude=is_trainer_file)
         boundary.check(target)
         companions = list_companions(folder, boundary)
-        trainer = trainer_optimizer(folder, boundary.check)
+        # a PEFT adapter's Trainer folder: its optimizer holds the adapter's state, not mapped yet
+        adapter = os.path.lexists(os.path.join(folder, "adapter_config.json"))
+        trainer = None if adapter else trainer_optimizer(folder, boundary.check)
     else:
         target, fmt = path, format_of(path)
         folder = os.path.dirname(os.path.abspath(path))
