@@ -73,8 +73,8 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
     files = [c for c in companions if c.relative != relative]
     files.append(Companion(training.file, relative, write=write_optimizer))
     model_table = model_only(table)
-    report = write_table(model_table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
-                         companions=files, max_shard_size=max_shard_size, force=force, progress=progress,
+    report = write_table(model_table, recorded, out, inputs=checkpoint.input_paths(),
+                         passthrough=checkpoint.metadata, companions=files, max_shard_size=max_shard_size, force=force, progress=progress,
                          on_note=on_note)
     state_bytes = sum(t.spec.nbytes for t in {id(t): t for t in tree_tensors(moved.optimizer)}.values())
     return WriteReport(report.path, report.tensors, report.unique_bytes, report.copied_bytes,

@@ -114,8 +114,9 @@ class Checkpoint:
             return state, map_parameters(state, params, self.path, order, source)
         except CheckpointError as e:
             if order is None and isinstance(self.training, TrainerOptimizer):
-                raise CheckpointError(f"{e} (a Trainer folder's safetensors weights do not keep the order; with "
-                                      f"torch and transformers installed, {option('param_order_from_model')} "
+                raise CheckpointError(f"{e} (a Trainer folder's weights do not keep the order where they are "
+                                      f"safetensors; with torch and transformers installed, "
+                                      f"{option('param_order_from_model')} "
                                       "takes it from the model's code)") from None
             raise
 

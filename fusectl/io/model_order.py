@@ -28,7 +28,8 @@ def order_from_model(config: dict, where: str) -> list[str]:
         ``model_type``, a class transformers does not have, or one that cannot be built from
         the config; each says how to give the order as a file instead.
     """
-    instead = f"give the order as a file instead ({option('param_order')}: a JSON list [n for n, _ in model.named_parameters()])"
+    instead = (f"give the order as a file instead ({option('param_order')}: a JSON list "
+               "[n for n, _ in model.named_parameters()])")
     try:
         import torch
         import transformers
