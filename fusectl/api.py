@@ -39,6 +39,8 @@ from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
+from .io.trainer_folder import TrainerOptimizer
+from .trainer_output import write_trainer_folder
 from .training_output import model_steps, model_ties, write_training, writes_training
 from .write import write_table
 
@@ -117,11 +119,12 @@ def open_input(path, *, config: str | None = None, follow_symlinks: bool = False
 
 
 def _checkpoint(ckpt, config: str | None, follow_symlinks: bool, key: str | None = None,
-                param_order: str | None = None) -> Checkpoint:
+                param_order: str | None = None, param_order_from_model: bool = False) -> Checkpoint:
     if isinstance(ckpt, Checkpoint):
         return ckpt
     return open_checkpoint(os.fspath(ckpt), config, allow_outside_links=follow_symlinks, key=key,
-                           param_order=os.fspath(param_order) if param_order is not None else None)
+                           param_order=os.fspath(param_order) if param_order is not None else None,
+                           param_order_from_model=param_order_from_model)
 
 
 def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]:
@@ -150,7 +153,7 @@ def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect:
 
 def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool = False,
          detect_ties: bool = False, write_ties_once: bool = False, follow_symlinks: bool = False,
-         key: str | None = None, param_order: str | None = None) -> Planned:
+         key: str | None = None, param_order: str | None = None, param_order_from_model: bool = False) -> Planned:
     """Bind ``rules`` to a checkpoint, from headers alone (no tensor data is read).
 
     :param ckpt: the checkpoint: a path (a file or a folder, any format fusectl reads) or an
@@ -168,7 +171,10 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
         parameters, a JSON file listing them in the order the optimizer was given them
         (``[n for n, _ in model.named_parameters()]``). A training dict's optimizer state is
         planned with its parameters: each state tensor (``<name>::<key>``) takes its
-        parameter's steps.
+        parameter's steps. A Hugging Face Trainer folder's ``optimizer.pt`` is such a state.
+    :param param_order_from_model: take that order from the model's code instead of a file:
+        the transformers class ``config.json`` names, built on the meta device (needs torch and
+        transformers; never a model's own code).
     :returns: a :class:`Planned`: the plan and the table it makes (``.to_json()`` is
         ``plan --json``, ``.to_text()`` what ``plan`` prints).
     :raises PlanError: no rules, or rules that do not fit the checkpoint (TieError: a tie
@@ -181,8 +187,8 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     >>> planned.to_json()["result"]["unique_count"]
     17
     """
-    return _plan(_checkpoint(ckpt, config, follow_symlinks, key, param_order), rules, untie, detect_ties,
-                 write_ties_once, training=True)
+    return _plan(_checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model), rules, untie,
+                 detect_ties, write_ties_once, training=True)
 
 
 def _plan(checkpoint: Checkpoint, rules: Sequence[str], untie: bool, detect_ties: bool, write_ties_once: bool,
@@ -207,15 +213,28 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
 
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
            progress, on_note, lora_base: Plan | None = None, whole_training: bool = False,
-           param_order_out: str | None = None, moved: Plan | None = None) -> FuseReport:
+           param_order_out: str | None = None, moved: Plan | None = None,
+           param_order_from_model: bool = False) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from.
     ``whole_training``: ``table`` holds the optimizer state too, and the whole training dict is
     written (``training_output``; ``param_order_out`` its parameter order; ``moved`` the plan that
-    made ``table`` when it is not ``new``, as for an unfuse, which records no steps)."""
+    made ``table`` when it is not ``new``, as for an unfuse, which records no steps). A Hugging
+    Face Trainer folder written whole is a folder (``trainer_output``): the model, its
+    optimizer.pt rewritten, its other files copied."""
     out = os.fspath(out)
     training = checkpoint.training
+    if whole_training and isinstance(training, TrainerOptimizer):
+        edited, companions = _edit_config(checkpoint, model_steps(new), out, on_note)
+        recorded = history + edited
+        report = write_trainer_folder(checkpoint, table, new if moved is None else moved, recorded, out,
+                                      companions=companions, param_order_out=param_order_out,
+                                      param_order_from_model=param_order_from_model, restore=moved is not None,
+                                      max_shard_size=max_shard_size, force=force, progress=progress,
+                                      on_note=on_note)
+        return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
+                          len(recorded.steps), model_ties(table))
     if whole_training:
         if max_shard_size is not None:
             raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
@@ -225,10 +244,13 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
                                 force=force, on_note=on_note)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table))
-    if training is not None and training.optimizer_key is not None and on_note is not None:
+    unchanged = isinstance(training, TrainerOptimizer) and not new.groups and output_kind(out) == "folder"
+    if training is not None and training.optimizer_key is not None and on_note is not None and not unchanged:
         on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: fusectl "
                 "writes the model's tensors only, for now (plan shows the steps the state would take)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
+    if unchanged:  # no step moves the state: a Trainer folder's optimizer file is copied as it is
+        companions.append(Companion(training.file, training.optimizer_key))
     recorded = history + new
     view = checkpoint.followers.view
     if view is not None and lora_base is not None and checkpoint.provenance and checkpoint.provenance.lora_base:
@@ -286,7 +308,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          untie: bool = False, detect_ties: bool = False, write_ties_once: bool = False,
          config: str | None = None, follow_symlinks: bool = False, key: str | None = None,
          progress: bool | None = False, on_note: Callable[[str], None] | None = None,
-         param_order: str | None = None, param_order_out: str | None = None) -> FuseReport:
+         param_order: str | None = None, param_order_out: str | None = None,
+         param_order_from_model: bool = False) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -294,7 +317,9 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     ``.ckpt``) is written whole: the fused model, the optimizer with its state moved (each
     state tensor takes its parameter's steps) and its ids renumbered in the output parameter
     order, every other entry kept (``fusectl.training_output``). Other outputs hold the model
-    only.
+    only. A Hugging Face Trainer folder (``checkpoint-N/``) written to a folder is written whole
+    the same way: the fused model, ``optimizer.pt`` with its state moved, every other file copied
+    byte for byte (``fusectl.trainer_output``).
 
     :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param rules: rules files or preset names, applied in order (at least one).
@@ -315,7 +340,10 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     :param param_order_out: for a training dict written whole, a JSON list of the fused model's
         parameters in its order (``[n for n, _ in new_model.named_parameters()]``): each param
         group's parameters are numbered in it (default: the state dict's order, a fused
-        parameter where its first part was).
+        parameter where its first part was; for a Trainer folder, the input optimizer's order).
+    :param param_order_from_model: take the input optimizer's order from the model's code
+        (as :func:`plan`'s), and a Trainer folder's output order from the output
+        ``config.json``'s model class (both need torch and transformers).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
         optimizer state cannot follow); a parameter ``param_order_out`` does not list; ComputeError when a step's data is invalid for its
@@ -328,18 +356,19 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     (2, True)
     """
     started = time.monotonic()
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     whole = writes_training(checkpoint, out)
     if param_order_out is not None and not whole:
-        raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training dict written whole "
-                        f"(a PyTorch output of a training dict with an optimizer); {os.fspath(out)} is not one, "
-                        "so leave it out")
+        raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
+                        "whole (a PyTorch output of a training dict with an optimizer, a folder output of a Trainer "
+                        f"folder); {os.fspath(out)} is not one, so leave it out")
     planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole)
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
-                         whole_training=whole, param_order_out=param_order_out), started)
+                         whole_training=whole, param_order_out=param_order_out,
+                         param_order_from_model=param_order_from_model), started)
 
 
 def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,
@@ -355,7 +384,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     A fused training dict (one with an optimizer) unfused from its provenance to a PyTorch file
     is written whole, as :func:`fuse` writes it: each inverse step lifted to the optimizer's
     state, the parameters in the unfused table's order (a fused parameter's parts where it was:
-    the original order after a fuse in the default order), every other entry kept.
+    the original order after a fuse in the default order), every other entry kept. A fused
+    Hugging Face Trainer folder unfused to a folder is written whole as well, its optimizer's
+    parameters in the original order fusectl recorded in its ``optimizer.pt``.
 
     :param ckpt: the fused checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param out: the output: ``FILE.safetensors``, ``FILE.npz`` or a folder.
@@ -481,7 +512,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
 
 
 def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,
-            key: str | None = None, param_order: str | None = None) -> InspectReport:
+            key: str | None = None, param_order: str | None = None,
+            param_order_from_model: bool = False) -> InspectReport:
     """What a checkpoint holds: its parameters, ties, provenance, scales and adapter, from its
     headers.
 
@@ -493,6 +525,7 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
     :param param_order: a JSON file listing the parameters in the order a training dict's
         optimizer was given them, where the shapes do not prove it.
+    :param param_order_from_model: take that order from the model's code (as :func:`plan`'s).
     :returns: an :class:`~fusectl.inspection.InspectReport`: ``.to_json()`` is the object
         ``inspect --json`` prints, ``.to_text()`` what ``inspect`` prints (its hints, such as
         how to choose another state dict, in the words of the caller rendering it: ``key`` here,
@@ -506,7 +539,7 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     >>> print(report.to_text().splitlines()[0])
     fixtures/tied-embeddings.safetensors: safetensors, 1 file(s), 3 unique parameters, 5.18 KB
     """
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     label = str(checkpoint.path) if isinstance(ckpt, Checkpoint) else os.fspath(ckpt)
     return inspect_checkpoint(checkpoint, label, detect_ties=detect_ties)
 

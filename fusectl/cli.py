@@ -175,11 +175,13 @@ def _follow_symlinks() -> bool:
     return bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
 
 
-def _forward_plan(ckpt, rules, config_path, untie, adopt, param_order=None) -> api.Planned:
+def _forward_plan(ckpt, rules, config_path, untie, adopt, param_order=None, from_model=False) -> api.Planned:
     """Bind RULES to CKPT (a usage error without rules)."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
     extra = {"param_order": param_order} if param_order else {}
+    if from_model:
+        extra["param_order_from_model"] = True
     return _api().plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs(), **extra)
 
 
@@ -196,6 +198,11 @@ order_option = click.option(
     "--param-order", "param_order", type=click.Path(dir_okay=False), default=None, metavar="FILE",
     help="A JSON list of a training checkpoint's parameter names in the order its optimizer was given "
          "them ([n for n, _ in model.named_parameters()]), where the shapes do not prove it.")
+model_order_option = click.option(
+    "--param-order-from-model", "param_order_from_model", is_flag=True,
+    help="Take that order from the model's code instead: the transformers class config.json names, "
+         "built on the meta device (needs torch and transformers; never a model's own code). For a "
+         "Trainer folder written to a folder, the output's order too, from the output config.json.")
 write_once_option = click.option(
     "--write-ties-once", is_flag=True,
     help="Store a tie adopted over two stored tensors ([ties], --detect-ties) once, with the others "
@@ -210,14 +217,16 @@ write_once_option = click.option(
               help="Hash every tensor and report equal ones as suspected ties (reads all data).")
 @config_option
 @order_option
-def inspect_cmd(ckpt, as_json, detect, config_path, param_order):
+@model_order_option
+def inspect_cmd(ckpt, as_json, detect, config_path, param_order, param_order_from_model):
     """Show a checkpoint's parameters, ties and provenance (reads headers only).
 
     \b
     Example:
       fusectl inspect fixtures/tied-embeddings.safetensors --json
     """
-    report = _api().inspect(ckpt, config=config_path, detect_ties=detect, param_order=param_order, **_inputs())
+    report = _api().inspect(ckpt, config=config_path, detect_ties=detect, param_order=param_order,
+                            param_order_from_model=param_order_from_model, **_inputs())
     _emit(report, as_json)
 
 
@@ -230,14 +239,15 @@ def inspect_cmd(ckpt, as_json, detect, config_path, param_order):
 @adopt_option
 @config_option
 @order_option
-def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path, param_order):
+@model_order_option
+def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path, param_order, param_order_from_model):
     """Show what RULES would do to CKPT, from headers alone.
 
     \b
     Example:
       fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
     """
-    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt, param_order), as_json)
+    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt, param_order, param_order_from_model), as_json)
 
 
 class SizeType(click.ParamType):
@@ -298,10 +308,12 @@ def with_output_options(fn):
 @json_option
 @order_option
 @click.option("--param-order-out", "param_order_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-              help="For a training dict written whole (-o FILE.pt): a JSON list of the fused model's parameters "
-                   "in its order ([n for n, _ in new_model.named_parameters()]); the optimizer's ids follow it.")
+              help="For a training checkpoint written whole (a training dict to -o FILE.pt, a Trainer folder to a "
+                   "folder): a JSON list of the fused model's parameters in its order "
+                   "([n for n, _ in new_model.named_parameters()]); the optimizer's ids follow it.")
+@model_order_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out):
+             param_order, param_order_out, param_order_from_model):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -313,7 +325,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
     _emit(_api().fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie, detect_ties=adopt,
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
-                   param_order_out=param_order_out), as_json)
+                   param_order_out=param_order_out, param_order_from_model=param_order_from_model), as_json)
 
 
 @command(main, "unfuse")

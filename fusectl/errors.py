@@ -87,6 +87,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "key": ("--key", _VALUE, "KEY"),
     "param_order": ("--param-order", _VALUE, "FILE"),
     "param_order_out": ("--param-order-out", _VALUE, "FILE"),
+    "param_order_from_model": ("--param-order-from-model", _FLAG, ""),
     "max_shard_size": ("--max-shard-size", _VALUE, "SIZE"),
     "out": ("-o", _VALUE, "OUT"),
     "graph": ("--graph", _VALUE, "GRAPH"),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 from .errors import PlanError, option, printable, quote
@@ -37,6 +37,7 @@ from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
 from .io.optimizer_state import node_at, read_order, training_tree
+from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
 from .tensors import LazyTensor
@@ -44,11 +45,14 @@ from .write import WriteReport, output_metadata
 
 
 def writes_training(checkpoint: Checkpoint, out) -> bool:
-    """Whether ``fuse`` writes ``checkpoint``'s whole training dict to ``out``: a training dict
-    with an optimizer beside its model, written as a PyTorch file."""
+    """Whether ``fuse`` writes ``checkpoint``'s whole training checkpoint to ``out``: a training
+    dict with an optimizer beside its model, written as a PyTorch file, or a Hugging Face
+    Trainer folder (``io.trainer_folder``) written as a folder (``trainer_output``)."""
     training = checkpoint.training
-    return (training is not None and training.optimizer_key is not None
-            and output_kind(os.fspath(out)) == "pytorch")
+    if training is None or training.optimizer_key is None:
+        return False
+    kind = "folder" if isinstance(training, TrainerOptimizer) else "pytorch"
+    return output_kind(os.fspath(out)) == kind
 
 
 def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
@@ -62,17 +66,56 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
         different numbers of state or sit in two groups. Nothing is written then.
     """
     training = checkpoint.training
+    order = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
+    moved = moved_optimizer(checkpoint, table, plan, order=order, order_source=param_order_out)
+    root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer)
+    model_table = model_only(table)
+    shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
+    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata}
+    written = {id(t): t for t in tree_tensors(root)}
+    from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
+    with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
+        write_torch_file(temp, root, metadata=metadata)
+    nbytes = sum(t.spec.nbytes for t in written.values())
+    copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
+    return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),
+                       copied, nbytes)
+
+
+@dataclass(frozen=True)
+class MovedOptimizer:
+    """The output side of a training checkpoint: ``model`` its state dict (name → tensor, in the
+    output order), ``optimizer`` the optimizer's new ``state_dict()`` tree, ``names`` the
+    parameter of each of its new ids (in id order)."""
+
+    model: collections.OrderedDict
+    optimizer: dict
+    names: list[str]
+
+
+def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, order: list[str] | None = None,
+                    order_source=None, positions: list[str] | None = None) -> MovedOptimizer:
+    """The model and optimizer state ``table`` holds after ``plan`` (the state tensors moved with
+    their parameters), the optimizer's ids renumbered 0..n-1 over its groups in the output order:
+    ``order`` where given (each group sorted by it; ``order_source`` names it in messages), else
+    each parameter where its first part stands in ``positions`` (default: the checkpoint's state
+    dict order).
+
+    :raises PlanError: see :func:`write_training`.
+    """
+    training = checkpoint.training
     state, mapping = checkpoint.optimizer_mapped
     model_names = [n for n in table.entries if STATE_SEP not in n]
-    inputs = list(checkpoint.table.entries)  # the state dict's order
+    inputs = list(positions) if positions is not None else list(checkpoint.table.entries)
+    listed = set(inputs)
+    inputs += [n for n in checkpoint.table.entries if n not in listed]
     origins = _origins(inputs, plan)
     position = {n: i for i, n in enumerate(inputs)}
 
     def first_part(name: str) -> int:
         return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
 
-    order = read_order(os.fspath(param_order_out)) if param_order_out is not None else []
-    rank = {n: i for i, n in enumerate(order)}  # a given order orders the state dict as well
+    rank = {n: i for i, n in enumerate(order or ())}  # a given order orders the state dict as well
     made_at = {n: i for i, n in enumerate(model_names)}
     model_order = sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n]))
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
@@ -97,8 +140,8 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
             raise PlanError(f"{printable(checkpoint.path)}: {quote(name)} is made of parameters of two optimizer "
                             f"param groups ({quote(parts[0])} and another); the optimizer cannot hold it")
         groups[found.pop()].append(name)
-    if param_order_out is not None:
-        groups = _ordered(groups, order, model_names, param_order_out)
+    if order is not None:
+        groups = _ordered(groups, order, model_names, order_source)
 
     new_ids, new_states = [], {}
     number = 0
@@ -111,7 +154,8 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
                 new_states[number] = entry
             number += 1
         new_ids.append(ids)
-    optimizer = node_at(training.tree(), training.optimizer_key)
+    optimizer = training.tree() if isinstance(training, TrainerOptimizer) else \
+        node_at(training.tree(), training.optimizer_key)
     new_groups = []
     for g, ids, names in zip(optimizer["param_groups"], new_ids, groups):
         d = dict(g)
@@ -120,20 +164,14 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
             d["param_names"] = list(names)
         new_groups.append(d)
     new_optimizer = {**optimizer, "state": new_states, "param_groups": new_groups}
-    root = training_tree(training.tree(), training.model_key, model, training.optimizer_key, new_optimizer)
+    return MovedOptimizer(model, new_optimizer, [n for group in groups for n in group])
 
+
+def model_only(table: ParamTable) -> ParamTable:
+    """A copy of ``table`` without the optimizer's state tensors: the model written."""
     model_table = table.copy()
     model_table.remove([n for n in table.entries if STATE_SEP in n])
-    shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
-    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata}
-    written = {id(t): t for t in _tensors(root)}
-    from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
-    with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
-        write_torch_file(temp, root, metadata=metadata)
-    nbytes = sum(t.spec.nbytes for t in written.values())
-    copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
-    return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),
-                       copied, nbytes)
+    return model_table
 
 
 def model_ties(table: ParamTable) -> list[list[str]]:
@@ -205,12 +243,13 @@ def _state_of(name: str, parts: list[str], state, id_of: Mapping, table: ParamTa
     return entry
 
 
-def _tensors(tree):
+def tree_tensors(tree):
+    """Every tensor of a training tree (dicts, lists, tuples), depth first; one met twice twice."""
     if isinstance(tree, LazyTensor):
         yield tree
     elif isinstance(tree, dict):
         for v in tree.values():
-            yield from _tensors(v)
+            yield from tree_tensors(v)
     elif isinstance(tree, (list, tuple)):
         for v in tree:
-            yield from _tensors(v)
+            yield from tree_tensors(v)

@@ -10,7 +10,7 @@ An import may point only DOWN this list (a module may import its own level):
    followers never import io (io detects the followers of the checkpoint it opens)
 6. planner, write
 7. onnx/*, verification/* (verification may import onnx, never the reverse)
-8. api, inspection, reports, training_output
+8. api, inspection, reports, training_output, trainer_output
 9. cli, __init__, __main__
 
 Imports are read with ``ast``: at module level and inside functions and classes alike, so a
@@ -42,7 +42,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     5: ("rules", "rules.*", "io", "io.*", "executor", "followers", "followers.*"),
     6: ("planner", "write"),
     7: ("onnx", "onnx.*", "verification", "verification.*"),
-    8: ("api", "inspection", "reports", "training_output"),
+    8: ("api", "inspection", "reports", "training_output", "trainer_output"),
     9: ("cli", "", "__main__"),
 }
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from ..errors import CheckpointError, option, option_name, printable
 from ..followers import Followers, Source, detect
@@ -20,6 +21,7 @@ from .optimizer_state import STATE_SEP, OptimizerState, ParamMap, Training, map_
     state_tensors
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
+from .trainer_folder import OPTIMIZER_FILES, TrainerOptimizer, is_trainer_file, recorded_orders, trainer_optimizer
 from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
 
 
@@ -32,6 +34,8 @@ class Companion:
     relative: str
     is_dir: bool = False
     content: bytes | None = None  # written instead of the source's bytes (an edited config.json)
+    # writes the file at the path it is given instead of a copy (a Trainer's optimizer.pt rewritten)
+    write: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -51,10 +55,13 @@ class Checkpoint:
     # entries of it that are not tensors (ignored)
     state_dict_key: str | None = None
     ignored: list[str] = field(default_factory=list)
-    # a training dict's other parts (optimizer_state.Training; None: not a training dict), and
-    # the file giving the optimizer's parameter order (--param-order)
+    # a training dict's other parts (optimizer_state.Training; None: not a training dict; a
+    # Trainer folder's optimizer file: trainer_folder.TrainerOptimizer), the file giving the
+    # optimizer's parameter order (--param-order), and whether to take that order from the
+    # model's code instead (--param-order-from-model; model_order.py)
     training: Training | None = None
     param_order: str | None = None
+    param_order_from_model: bool = False
 
     @functools.cached_property
     def followers(self) -> Followers:
@@ -91,8 +98,66 @@ class Checkpoint:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 params.append((names[name], tensor.spec))
-        order = read_order(self.param_order) if self.param_order else None
-        return state, map_parameters(state, params, self.path, order, self.param_order)
+        by_id = self._recorded_names()
+        if by_id is not None and self.param_order is None and not self.param_order_from_model:
+            if len(by_id) != len(state.ids()):
+                raise CheckpointError(f"{printable(self.training.file)}: fusectl's record names {len(by_id)} "
+                                      f"parameters, the optimizer holds {len(state.ids())}; the file was replaced. "
+                                      f"Give the order with {option('param_order')}")
+            at = {p: i for i, p in enumerate(state.ids())}
+            named = replace(state, groups=tuple(replace(g, param_names=tuple(by_id[at[p]] for p in g.params))
+                                                for g in state.groups))
+            mapping = map_parameters(named, params, self.path)
+            return state, replace(mapping, source=f"fusectl's record in {self.training.optimizer_key}")
+        order, source = self.given_order
+        try:
+            return state, map_parameters(state, params, self.path, order, source)
+        except CheckpointError as e:
+            if order is None and isinstance(self.training, TrainerOptimizer):
+                raise CheckpointError(f"{e} (a Trainer folder's weights do not keep the order where they are "
+                                      f"safetensors; with torch and transformers installed, "
+                                      f"{option('param_order_from_model')} "
+                                      "takes it from the model's code)") from None
+            raise
+
+    @functools.cached_property
+    def given_order(self) -> tuple[list[str] | None, str | None]:
+        """(the parameters in the order the optimizer was given them, where that order came from):
+        ``param_order``'s file, or the model's code for ``param_order_from_model``; (None, None)
+        when neither is asked for (the state dict's order is the order then)."""
+        if self.param_order is not None:
+            return read_order(self.param_order), self.param_order
+        if self.param_order_from_model:
+            from .model_order import order_from_model
+            if self.config is None:
+                raise CheckpointError(f"{printable(self.path)}: no config.json to build the model from for "
+                                      f"{option('param_order_from_model')}; give {option('config')} or "
+                                      f"{option('param_order')}")
+            where = self.config_path or self.path
+            return order_from_model(self.config, where), f"{where} (the model's code)"
+        return None, None
+
+    def _recorded_names(self) -> list[str] | None:
+        """The parameter of each optimizer id, from fusectl's record in a Trainer folder's
+        optimizer file it wrote (None: not recorded)."""
+        if not isinstance(self.training, TrainerOptimizer):
+            return None
+        return recorded_orders(self.training)[0]
+
+    def original_order(self) -> list[str] | None:
+        """The parameter order before fusectl's first step, for a Trainer folder: recorded by
+        fusectl in its optimizer file, else the order the optimizer was given (``given_order``;
+        its ids' order where neither is known). None for other checkpoints."""
+        if not isinstance(self.training, TrainerOptimizer):
+            return None
+        recorded = recorded_orders(self.training)[1]
+        if recorded is not None:
+            return recorded
+        order, _ = self.given_order
+        if order is not None:
+            return order
+        state, mapping = self.optimizer_mapped
+        return [mapping.names[p] for p in state.ids() if p in mapping.names]
 
     def training_table(self) -> ParamTable:
         """A copy of :attr:`table` with the optimizer's state tensors beside their parameters
@@ -119,11 +184,13 @@ class Checkpoint:
     def input_paths(self) -> list[str]:
         """Every path this checkpoint reads from: an output may not overwrite any of them."""
         config = [self.config_path] if self.config_path else []
-        return [self.path, *self.files, *(c.source for c in self.companions), *config]
+        optimizer = [self.training.file] if isinstance(self.training, TrainerOptimizer) else []
+        return [self.path, *self.files, *(c.source for c in self.companions), *config, *optimizer]
 
 
 def open_checkpoint(path: str, config_path: str | None = None, allow_outside_links: bool = False,
-                    key: str | None = None, param_order: str | None = None) -> Checkpoint:
+                    key: str | None = None, param_order: str | None = None,
+                    param_order_from_model: bool = False) -> Checkpoint:
     """Read headers of a safetensors file, sharded index, Hugging Face folder, npz archive,
     PyTorch file (``torch.save``, told by its content under any name: ``.pt``, ``.pth.tar``, none;
     ``key`` selects the state dict of a training dict, dotted for nesting) or an ONNX model's
@@ -137,7 +204,14 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     this (``--follow-symlinks``). A file named directly (``path`` or ``config_path``) may be
     a link. Only regular files are ever read, never FIFOs, devices or /proc files.
     ``param_order`` is a JSON file listing the parameters in the order the optimizer of a
-    training dict was given them (read when the optimizer is first mapped).
+    training dict was given them (read when the optimizer is first mapped);
+    ``param_order_from_model`` takes that order from the model's code instead (transformers on
+    the meta device, ``model_order.py``).
+
+    A folder that holds the Trainer's files beside the model's weights (a Hugging Face Trainer
+    ``checkpoint-N/``, ``trainer_folder.py``) is read as the model, with its ``optimizer.pt``
+    as the optimizer state; the Trainer's other files are companions (copied byte for byte by
+    a folder output, never unpickled).
     """
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
@@ -145,13 +219,17 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     if os.path.isdir(path):
         folder = _model_folder(path, allow_outside_links)
         boundary = LinkBoundary.around(folder, allow_outside_links, named=path)
-        target, fmt = pick_in_folder(folder)
+        target, fmt = pick_in_folder(folder, exclude=is_trainer_file)
         boundary.check(target)
         companions = list_companions(folder, boundary)
+        # a PEFT adapter's Trainer folder: its optimizer holds the adapter's state, not mapped yet
+        adapter = os.path.lexists(os.path.join(folder, "adapter_config.json"))
+        trainer = None if adapter else trainer_optimizer(folder, boundary.check)
     else:
         target, fmt = path, format_of(path)
         folder = os.path.dirname(os.path.abspath(path))
         boundary = LinkBoundary.around(folder, allow_outside_links)
+        trainer = None
 
     if key is not None and not fmt.takes_key:
         raise CheckpointError(f"{target}: {option_name('key')} selects a state dict inside a PyTorch file (torch.save's, "
@@ -180,8 +258,10 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     passthrough = {
         k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
     }
+    training = contents.training if contents.training is not None else trainer
     return Checkpoint(path, fmt.name, list(contents.files), table, passthrough, provenance, config, config_path,
-                      companions, contents.state_dict_key, list(contents.ignored), contents.training, param_order)
+                      companions, contents.state_dict_key, list(contents.ignored), training, param_order,
+                      param_order_from_model)
 
 
 @dataclass(frozen=True)
@@ -246,7 +326,9 @@ def list_companions(folder: str, boundary: LinkBoundary | None = None) -> list[C
     Subfolders are taken whole, weight files included: they hold other modules
     (sentence-transformers' ``1_Pooling/config.json``, ``2_Dense/model.safetensors``), not this
     checkpoint's tensors. Top-level weight files are left out: the output's own weights
-    replace them, and a stale copy in the old layout would contradict them. Version-control
+    replace them, and a stale copy in the old layout would contradict them; so is a Trainer's
+    optimizer file (its state is in the old layout too), but not the Trainer's other files
+    (``scheduler.pt``, ``rng_state.pth``, ``training_args.bin``: kept byte for byte). Version-control
     folders (``.git``: a clone's ``.git/lfs`` holds the old weights again) are left out. A link
     is followed only within ``boundary`` (by default the folder itself); a linked folder is
     copied as a folder, except a link back up the tree (a cycle), which is skipped; anything
@@ -281,7 +363,8 @@ def list_companions(folder: str, boundary: LinkBoundary | None = None) -> list[C
                 subfolders.append((entry.path, name, target))
                 continue
             files += 1
-            if top and entry.name.endswith(WEIGHT_SUFFIXES):
+            if top and entry.name.endswith(WEIGHT_SUFFIXES) and \
+                    (entry.name in OPTIMIZER_FILES or not is_trainer_file(entry.name)):
                 continue
             if linked:
                 boundary.check(entry.path)

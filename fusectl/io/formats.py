@@ -137,11 +137,12 @@ def takes_key(path: str) -> bool:
     return any(f.takes_key and (path.endswith(f.suffixes) or f.told_by(path)) for f in FORMATS if f.told_by)
 
 
-def pick_in_folder(folder: str) -> tuple[str, Format]:
+def pick_in_folder(folder: str, exclude: Callable[[str], bool] | None = None) -> tuple[str, Format]:
     """The weights file of a Hugging Face folder and its format: by ``folder_rank`` (safetensors
     first: an index, else one file; else one .npz; else PyTorch's: ``pytorch_model.bin.index.json``,
-    else one .bin/.pt/.pth/.ckpt file). A rank with two or more files asks which to read."""
-    names = sorted(os.listdir(folder))
+    else one .bin/.pt/.pth/.ckpt file). A rank with two or more files asks which to read. A name
+    ``exclude`` says is not a weight file is never picked (a Trainer's ``optimizer.pt``)."""
+    names = sorted(n for n in os.listdir(folder) if exclude is None or not exclude(n))
     ranked = sorted((f for f in FORMATS if f.folder_rank is not None), key=lambda f: f.folder_rank)
     for fmt in ranked:
         found = [n for n in names if n.endswith(fmt.suffixes)]

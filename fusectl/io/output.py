@@ -75,7 +75,9 @@ class FolderWriter:
                 os.makedirs(target, exist_ok=True)
                 continue
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            if companion.content is not None:
+            if companion.write is not None:
+                companion.write(target)
+            elif companion.content is not None:
                 with open(target, "wb") as f:
                     f.write(companion.content)
             else:

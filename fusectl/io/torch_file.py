@@ -137,20 +137,32 @@ def read_torch(path: str, key: str | None = None) -> TorchContents:
     uncompressed little-endian storage is a :class:`FileTensor` (its bytes are one file range);
     any other view is read from its storage and laid out on demand.
     """
+    return _contents(path, _open_archive(path), key)
+
+
+def read_torch_tree(path: str) -> tuple[object, dict[str, str]]:
+    """The whole object of a ``torch.save`` file (zip or legacy format), read through the same
+    scan and allow-list as :func:`read_torch`: dicts, lists, tuples, numbers and each tensor a
+    lazy tensor checked against its storage; with fusectl's record (``METADATA_RECORD``; empty
+    when there is none). For files that are not a state dict, such as a Hugging Face Trainer's
+    ``optimizer.pt`` (an optimizer's ``state_dict()``)."""
+    archive = _open_archive(path)
+    return _lazy_tree(path, archive, archive.root), dict(archive.metadata)
+
+
+def _open_archive(path: str) -> "_Archive":
     with open_input(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(4)
         if head == b"PK\x03\x04":
-            archive = _read_zip(path, f, size)
-        elif head[:1] == b"\x80" or head == _LEGACY_TEXT_HEAD:
-            archive = _read_legacy(path, f, size)
-        else:
-            shown = "is empty" if size == 0 else f"starts with {head!r}"
-            raise CheckpointError(
-                f"{printable(path)}: not a PyTorch checkpoint (the file {shown}; torch.save writes a zip "
-                "archive or, in the legacy format, a pickle); re-save it with torch.save or name another file"
-            )
-    return _contents(path, archive, key)
+            return _read_zip(path, f, size)
+        if head[:1] == b"\x80" or head == _LEGACY_TEXT_HEAD:
+            return _read_legacy(path, f, size)
+        shown = "is empty" if size == 0 else f"starts with {head!r}"
+        raise CheckpointError(
+            f"{printable(path)}: not a PyTorch checkpoint (the file {shown}; torch.save writes a zip "
+            "archive or, in the legacy format, a pickle); re-save it with torch.save or name another file"
+        )
 
 
 # ------------------------------------------------------------------------------- lazy tensors
