@@ -92,7 +92,7 @@ class Checkpoint:
                 seen.add(id(tensor))
                 params.append((names[name], tensor.spec))
         order = read_order(self.param_order) if self.param_order else None
-        return state, map_parameters(state, params, self.path, order, self.param_order)
+        return state, map_parameters(state, params, self.path, order, self.param_order, aliases=names)
 
     def training_table(self) -> ParamTable:
         """A copy of :attr:`table` with the optimizer's state tensors beside their parameters
