@@ -23,7 +23,6 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli
-from fusectl.errors import CheckpointError
 from fusectl.io.torch_file import read_torch
 from fusectl.io.torch_writer import write_torch_file
 from test_training_output import _differences

@@ -565,8 +565,9 @@ def _plain(value: object, what: str, depth: int = 0):
 def _kind(value: object) -> str:
     if isinstance(value, LazyTensor):
         return f"a tensor {value.spec}"
+    name = type(value).__name__
     return {dict: "a dict", list: "a list", tuple: "a tuple", str: "text", type(None): "None"}.get(
-        type(value), f"a {type(value).__name__}")
+        type(value), f"{'an' if name[0] in 'aeiou' else 'a'} {name}")
 
 
 def _shown(p: object) -> str:
@@ -608,17 +609,17 @@ class Training:
 def find_optimizer(parent: Mapping, prefix: str) -> tuple[str | None, str | None]:
     """(the dotted key of the optimizer state in ``parent``, the dict at ``prefix`` that holds
     the model's state dict, or a problem): an entry named as training code names it
-    (:data:`OPTIMIZER_KEYS`) holding ``state`` and ``param_groups`` or flattened keys (a
-    malformed one too: reading it says what is wrong), or Lightning's ``optimizer_states`` list
-    of one."""
+    (:data:`OPTIMIZER_KEYS`) holding ``state`` and ``param_groups`` or flattened keys (one
+    with only one of the two, or a malformed key, too: reading it says what is wrong, rather
+    than the optimizer being left behind), or Lightning's ``optimizer_states`` list of one."""
     def dotted(k: str) -> str:
         return f"{prefix}.{k}" if prefix else k
     found = []
     for k, v in parent.items():
         if type(k) is not str:
             continue
-        if k in OPTIMIZER_KEYS and (is_optimizer_dict(v) or _looks_flat(v)):
-            found.append(dotted(k))
+        if k in OPTIMIZER_KEYS and isinstance(v, dict) and ("state" in v or "param_groups" in v or _looks_flat(v)):
+            found.append(dotted(k))  # a malformed one too: reading it says what is wrong
         elif k == LIGHTNING_KEY and isinstance(v, (list, tuple)) and v:
             if len(v) > 1:
                 return None, (f"{quote(dotted(k))} holds {len(v)} optimizers; fusectl moves the state of "
