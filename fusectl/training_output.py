@@ -8,9 +8,11 @@ what ``torch.save`` would have written for the fused model's training:
 - the model state dict: the fused table's tensors as a ``collections.OrderedDict`` (tied names
   one tensor, so one storage), each fused tensor where its first part was (in the given
   parameter order when there is one);
-- the optimizer: ``param_groups`` with their hyperparameters as read, ``params`` renumbered
-  0..n-1 over the groups in the output parameter order, ``state`` keyed by the new ids with
-  each parameter's moved state tensors and its numbers (kept once for a fused parameter);
+- the optimizer, in the form it was read in (``io.optimizer_state.written_optimizer``):
+  ``param_groups`` with their hyperparameters as read, ``params`` renumbered 0..n-1 over the
+  groups in the output parameter order (or, keyed by name, an unchanged parameter's name as
+  read and a fused one's name), ``state`` keyed alike with each parameter's moved state tensors
+  and its numbers (kept once for a fused parameter);
 - every other entry of the training dict as read; fusectl's provenance in its metadata record.
 
 The output parameter order is, by default, the state dict's: a fused parameter takes the
@@ -36,7 +38,7 @@ from .followers.optimizer import STATE_SEP
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.optimizer_state import node_at, read_order, training_tree
+from .io.optimizer_state import node_at, read_order, training_tree, written_optimizer
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
@@ -143,27 +145,12 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     if order is not None:
         groups = _ordered(groups, order, model_names, order_source)
 
-    new_ids, new_states = [], {}
-    number = 0
-    for group in groups:
-        ids = []
-        for name in group:
-            ids.append(number)
-            entry = _state_of(name, members[name], state, id_of, table, checkpoint.path)
-            if entry:
-                new_states[number] = entry
-            number += 1
-        new_ids.append(ids)
+    written_groups = [[(name, id_of[members[name][0]], members[name] == [name],
+                        _state_of(name, members[name], state, id_of, table, checkpoint.path)) for name in group]
+                      for group in groups]
     optimizer = training.tree() if isinstance(training, TrainerOptimizer) else \
         node_at(training.tree(), training.optimizer_key)
-    new_groups = []
-    for g, ids, names in zip(optimizer["param_groups"], new_ids, groups):
-        d = dict(g)
-        d["params"] = ids
-        if "param_names" in d:
-            d["param_names"] = list(names)
-        new_groups.append(d)
-    new_optimizer = {**optimizer, "state": new_states, "param_groups": new_groups}
+    new_optimizer = written_optimizer(state, optimizer, written_groups)  # in the form it was read in
     return MovedOptimizer(model, new_optimizer, [n for group in groups for n in group])
 
 

@@ -11,8 +11,8 @@ import pytest
 from fusectl.dtypes import BY_NAME
 from fusectl.errors import CheckpointError
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.optimizer_state import (map_parameters, optimizer_tree, parse_optimizer, read_order,
-                                        training_tree)
+from fusectl.io.optimizer_state import (is_optimizer_dict, map_parameters, optimizer_tree, parse_optimizer,
+                                        read_order, training_tree)
 from fusectl.tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 
 from conftest import FIXTURES
@@ -83,7 +83,7 @@ def test_the_training_tree_keeps_every_other_entry_and_replaces_model_and_optimi
     ({"state": [], "param_groups": [{"params": []}]}, "'state' is a list"),
     ({"state": {}, "param_groups": {}}, "'param_groups' is a dict"),
     ({"state": {}, "param_groups": []}, "not a non-empty list"),
-    ({"state": {}, "param_groups": [5]}, r"param_groups\[0\] is a int"),
+    ({"state": {}, "param_groups": [5]}, r"param_groups\[0\] is an int"),
     ({"state": {}, "param_groups": [{"lr": 1}]}, "not a dict with 'params'"),
     ({"state": {}, "param_groups": [{"params": [1.5]}]}, "not a list of parameter ids"),
     ({"state": {}, "param_groups": [{"params": [0]}, {"params": [0]}]}, "listed twice"),
@@ -94,6 +94,17 @@ def test_the_training_tree_keeps_every_other_entry_and_replaces_model_and_optimi
     ({"state": {(0,): {}}, "param_groups": [{"params": [0]}]}, "not a parameter id"),
     ({"state": {}, "param_groups": [{"params": [0], "lr": object()}]}, "not plain data"),
     ({"state": {}, "param_groups": [{"params": [0], "param_names": ["a", "b"]}]}, "'param_names' is not"),
+    ({"state": {}, "param_groups": [{"params": [0, "p1"]}]}, "both integers and names"),
+    # the flattened form (torch.distributed.checkpoint)
+    ({"state.a.exp_avg": t(2), "param_groups.a.lr": 0.1, "extra": 1}, "'extra' is neither a state nor"),
+    ({"param_groups.a.lr": 0.1, 5: t(2)}, "the key 5 is neither"),
+    ({"state.a.exp_avg": t(2)}, "without param_groups"),
+    ({"param_groups.lr": 0.1, "param_groups.a.lr": 0.1}, "'param_groups.lr' names no parameter"),
+    ({"param_groups.a.params": ["a"]}, "a parameter list"),
+    ({"state.b.exp_avg": t(2), "param_groups.a.lr": 0.1}, "'state.b.exp_avg' names no parameter"),
+    ({"state.a.exp_avg.x": t(2), "param_groups.a.lr": 0.1}, "'exp_avg.x' of 'a' is nested"),
+    ({"state.a.exp_avg": "x", "param_groups.a.lr": 0.1}, "neither a tensor nor a number"),
+    ({"state.a.exp_avg": t(2), "param_groups.a.lr": object()}, "not plain data"),
 ])
 def test_a_malformed_optimizer_dict_is_a_clean_error(tree, message):
     with pytest.raises(CheckpointError, match=message):
@@ -111,6 +122,62 @@ def test_a_shape_mismatch_and_a_missing_parameter_are_clean_errors():
         map_parameters(parse_optimizer(adam([(2,), (3,)]), "opt", "f"), params((2,)), "f.pt")
     with pytest.raises(CheckpointError, match="do not fit the state dict's order"):
         map_parameters(parse_optimizer(adam([(2,), (3,)]), "opt", "f"), params((3,), (2,)), "f.pt")
+
+
+def test_a_state_of_another_shape_or_a_step_of_many_numbers_is_a_clean_error():
+    def mapped(entry):
+        tree = {"state": {0: entry}, "param_groups": [{"params": [0], "betas": (0.9, 0.99), "amsgrad": False}]}
+        return map_parameters(parse_optimizer(tree, "opt", "f.pt"), params((4,)), "f.pt")
+    with pytest.raises(CheckpointError, match=r"state 'exp_avg_sq' of 'p0' is \[3\], the parameter is \[4\]"):
+        mapped({"step": t(), "exp_avg": t(4), "exp_avg_sq": t(3)})  # an elementwise optimizer: every state
+    with pytest.raises(CheckpointError, match=r"state 'step' of 'p0' is \[3\], not one number"):
+        mapped({"step": t(3), "exp_avg": t(4), "exp_avg_sq": t(4)})
+    assert mapped({"step": t(), "exp_avg": t(4), "exp_avg_sq": t(4)}).names == {0: "p0"}
+
+
+def test_the_flattened_form_splits_each_key_at_a_listed_name_and_groups_runs_of_equal_hyperparameters():
+    tree = {"state.m.w.exp_avg": t(2), "state.m.w.step": t(), "state.m.w2.exp_avg": t(3),
+            "param_groups.m.w.lr": 0.1, "param_groups.m.w.betas": (0.9, 0.99), "param_groups.m.w2.lr": 0.1,
+            "param_groups.m.w2.betas": (0.9, 0.99), "param_groups.n.lr": 0.0, "param_groups.n.betas": (0.9, 0.99),
+            "param_groups.o.lr": 0.1, "param_groups.o.betas": (0.9, 0.99)}
+    state = parse_optimizer(tree, "optim", "f.pt")
+    assert state.form == "flat" and state.rest == {}
+    assert [g.params for g in state.groups] == [("m.w", "m.w2"), ("n",), ("o",)]  # runs, in the file's order
+    assert state.groups[0].hyper == {"lr": 0.1, "betas": [0.9, 0.99]}
+    assert state.states == {"m.w": {"exp_avg": tree["state.m.w.exp_avg"], "step": tree["state.m.w.step"]},
+                            "m.w2": {"exp_avg": tree["state.m.w2.exp_avg"]}}
+    got = map_parameters(state, [("m.w", TensorSpec(F32, (2,))), ("m.w2", TensorSpec(F32, (3,))),
+                                 ("n", TensorSpec(F32, (1,))), ("o", TensorSpec(F32, (1,)))], "f")
+    assert got.source == "state keys" and got.names == {p: p for p in ("m.w", "m.w2", "n", "o")}
+
+
+def test_an_optimizer_dict_is_recognised_nested_or_flattened():
+    assert is_optimizer_dict({"state": {}, "param_groups": []})
+    assert is_optimizer_dict({"state.a.exp_avg": t(2), "param_groups.a.lr": 0.1})
+    assert not is_optimizer_dict({"state.a.exp_avg": t(2)})  # a model with a module named "state"
+    assert not is_optimizer_dict({"param_groups.a.lr": 0.1, "w": t(2)})
+    assert not is_optimizer_dict({}) and not is_optimizer_dict([])
+
+
+def test_a_name_keyed_state_may_use_a_tied_alias():
+    keyed = parse_optimizer({"state": {"head": {"exp_avg": t(2)}}, "param_groups": [{"params": ["head"]}]}, "o", "f")
+    assert keyed.form == "names"
+    got = map_parameters(keyed, [("embed", TensorSpec(F32, (2,)))], "f", aliases={"head": "embed", "embed": "embed"})
+    assert got.names == {"head": "embed"}
+    with pytest.raises(CheckpointError, match="names the parameter 'head', which the model's state dict does not hold"):
+        map_parameters(keyed, [("embed", TensorSpec(F32, (2,)))], "f")
+    both = parse_optimizer({"state": {}, "param_groups": [{"params": ["head", "embed"]}]}, "o", "f")
+    with pytest.raises(CheckpointError, match="'head' and 'embed', name one parameter, 'embed'"):
+        map_parameters(both, [("embed", TensorSpec(F32, (2,)))], "f", aliases={"head": "embed", "embed": "embed"})
+
+
+def test_object_ids_map_by_the_groups_order_whatever_their_values():
+    # torch < 0.4: ids are id(param), in no order; the groups' lists give it
+    big = [140_000_000_000_208, 140_000_000_000_016, 139_999_999_999_904]
+    tree = {"state": {big[2]: {"exp_avg": t(3)}, big[0]: {"exp_avg": t(2)}, big[1]: {"exp_avg": t(4)}},
+            "param_groups": [{"params": big[:2], "lr": 0.1}, {"params": big[2:], "lr": 0.0}]}
+    got = map_parameters(parse_optimizer(tree, "o", "f"), params((2,), (3,), (4,)), "f")
+    assert got.names == {big[0]: "p0", big[1]: "p2", big[2]: "p1"} and got.source == "state dict order"
 
 
 # --- the mapping --------------------------------------------------------------------------------

@@ -107,11 +107,11 @@ class Checkpoint:
             at = {p: i for i, p in enumerate(state.ids())}
             named = replace(state, groups=tuple(replace(g, param_names=tuple(by_id[at[p]] for p in g.params))
                                                 for g in state.groups))
-            mapping = map_parameters(named, params, self.path)
+            mapping = map_parameters(named, params, self.path, aliases=names)
             return state, replace(mapping, source=f"fusectl's record in {self.training.optimizer_key}")
         order, source = self.given_order
         try:
-            return state, map_parameters(state, params, self.path, order, source)
+            return state, map_parameters(state, params, self.path, order, source, aliases=names)
         except CheckpointError as e:
             if order is None and isinstance(self.training, TrainerOptimizer):
                 raise CheckpointError(f"{e} (a Trainer folder's weights do not keep the order where they are "

@@ -4,7 +4,13 @@ A training dict (``{"model_state_dict": …, "optimizer_state_dict": {"state", "
 "epoch": …}``, a Lightning ``.ckpt``'s ``optimizer_states`` list) holds the optimizer's
 ``state_dict()`` beside the model's: per parameter *id* a dict of state (``exp_avg``,
 ``momentum_buffer``, a ``step``), and the ``param_groups`` whose ``params`` lists give the ids
-in the order the optimizer was given its parameters, with each group's hyperparameters.
+in the order the optimizer was given its parameters, with each group's hyperparameters. Three
+forms of it are read (``OptimizerState.form``): ``"ids"``, torch.optim's integer ids (0..n-1, or
+the Python object ids of torch < 0.4: both mean the groups' order); ``"names"``,
+torch.distributed.checkpoint's ``get_optimizer_state_dict`` (``state`` keyed by parameter name,
+``params`` lists of names); and ``"flat"``, its ``flatten_optimizer_state_dict=True`` form (one
+flat dict: ``state.<name>.<key>`` and ``param_groups.<name>.<hyperparameter>``, each
+parameter's hyperparameters repeated, so a group is a run of parameters with equal ones).
 :func:`parse_optimizer` turns that tree (dicts, lists, scalars and lazy tensors, as
 ``io.torch_file`` reads it) into an :class:`OptimizerState`; :func:`map_parameters` proves which
 parameter each id is (:class:`ParamMap`), or says why it cannot.
@@ -22,12 +28,14 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ..errors import CheckpointError, printable, quote
-from ..followers.optimizer import SCALAR_KEYS, STATE_SEP
+from ..followers.optimizer import SCALAR_KEYS, STATE_SEP, recognise
 from ..tensors import LazyTensor, TensorSpec
 
 # where an optimizer's state_dict sits beside the model's, in a training dict
-OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optimizer_state", "opt")
+OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optimizer_state", "opt", "optim")
 LIGHTNING_KEY = "optimizer_states"
+FLAT_PREFIXES = ("state.", "param_groups.")  # the keys of a flattened optimizer state_dict
+_MAX_NESTING = 8  # dotted parts a flattened state key may add after its parameter's name
 _MAX_SEARCH = 5_000_000  # states of the order search (ids × positions) before asking for the order
 
 
@@ -45,13 +53,15 @@ class ParamGroup:
 @dataclass(frozen=True)
 class OptimizerState:
     """An optimizer's ``state_dict()`` as read: ``where`` its dotted key in the training dict,
-    ``groups`` its param groups, ``states`` parameter id → state key → a lazy tensor or a
-    number; ``rest`` the optimizer dict's other entries (kept as read)."""
+    ``groups`` its param groups, ``states`` parameter id (a name in the name-keyed forms) →
+    state key → a lazy tensor or a number; ``rest`` the optimizer dict's other entries (kept as
+    read); ``form`` which of the three forms it was read from."""
 
     where: str
     groups: tuple[ParamGroup, ...]
     states: dict
     rest: dict = field(default_factory=dict)
+    form: str = "ids"  # "ids", "names" or "flat" (the module docstring)
 
     def ids(self) -> list:
         """Every parameter id, in group order."""
@@ -79,14 +89,19 @@ def parse_optimizer(tree: object, where: str, path: str) -> OptimizerState:
     """The :class:`OptimizerState` of an optimizer's ``state_dict()`` read as ``tree``.
 
     :param tree: ``{"state": {id: {key: tensor or number}}, "param_groups": [{"params": [...], ...}]}``
-        with tensors as :class:`~fusectl.tensors.LazyTensor`.
+        (ids integers, or parameter names), or the flattened form ``{"state.<name>.<key>": …,
+        "param_groups.<name>.<hyperparameter>": …}``, with tensors as
+        :class:`~fusectl.tensors.LazyTensor`.
     :param where: its dotted key in the training dict (for messages).
     :param path: the file (for messages).
     :raises CheckpointError: naming the entry that is not what ``torch.optim`` writes: a
-        missing or mistyped ``state``/``param_groups``, an id listed twice, a state for an id no
-        group lists, a hyperparameter that is not plain data.
+        missing or mistyped ``state``/``param_groups``, an id listed twice, ids both integers and
+        names, a state for an id no group lists, a hyperparameter that is not plain data; in the
+        flattened form a key of neither kind, a state for a name no ``param_groups.`` key lists.
     """
     at = f"{printable(path)}: optimizer state {quote(where)}"
+    if _looks_flat(tree):
+        return _parse_flat(tree, where, at)
     if not isinstance(tree, dict) or "state" not in tree or "param_groups" not in tree:
         raise CheckpointError(f"{at}: not an optimizer's state_dict (a dict with 'state' and 'param_groups'); "
                               "name the training dict's optimizer entry or re-save it with optimizer.state_dict()")
@@ -121,6 +136,9 @@ def parse_optimizer(tree: object, where: str, path: str) -> OptimizerState:
                 raise CheckpointError(f"{gat}: a hyperparameter named {_kind(k)}, not text")
             hyper[k] = _plain(v, f"{gat}: hyperparameter {quote(k)}")
         groups.append(ParamGroup(tuple(params), hyper, names))
+    if len({type(p) for p in seen}) > 1:
+        raise CheckpointError(f"{at}: its parameter ids are both integers and names; torch.optim writes one or "
+                              "the other, so the file is corrupt or was edited")
     states = {}
     for pid, s in raw_states.items():
         if not _is_id(pid):
@@ -140,11 +158,93 @@ def parse_optimizer(tree: object, where: str, path: str) -> OptimizerState:
             entry[k] = v
         states[pid] = entry
     rest = {k: v for k, v in tree.items() if k not in ("state", "param_groups")}
-    return OptimizerState(where, tuple(groups), states, rest)
+    form = "names" if seen and all(type(p) is str for p in seen) else "ids"
+    return OptimizerState(where, tuple(groups), states, rest, form)
+
+
+def is_optimizer_dict(tree: object) -> bool:
+    """Whether ``tree`` is an optimizer's ``state_dict()``: with ``state`` and ``param_groups``
+    (torch.optim, torch.distributed.checkpoint), or flattened (every key ``state.…`` or
+    ``param_groups.…``, some of the latter)."""
+    if not isinstance(tree, dict):
+        return False
+    if "state" in tree and "param_groups" in tree:
+        return True
+    return bool(tree) and all(type(k) is str and k.startswith(FLAT_PREFIXES) for k in tree) and \
+        any(k.startswith("param_groups.") for k in tree)
+
+
+def _looks_flat(tree: object) -> bool:
+    """A dict that is meant as a flattened optimizer state_dict (a key of it says so), however
+    malformed the rest: :func:`_parse_flat` says what is wrong."""
+    return isinstance(tree, dict) and "state" not in tree and "param_groups" not in tree and \
+        any(type(k) is str and k.startswith(FLAT_PREFIXES) for k in tree)
+
+
+def _parse_flat(tree: dict, where: str, at: str) -> OptimizerState:
+    """The flattened form (torch.distributed.checkpoint's ``_flatten_optim_state_dict``): each
+    parameter's hyperparameters under ``param_groups.<name>.<hyperparameter>`` (the last dotted
+    part: torch's group keys are identifiers), its state under ``state.<name>.<key>`` (the name
+    the longest that a ``param_groups.`` key lists). A group is a run of parameters, in the
+    file's order, with equal hyperparameters (the form keeps no group boundaries: torch rebuilds
+    the groups from the live optimizer)."""
+    how = ("a flattened optimizer state_dict holds only state.<parameter>.<key> and "
+           "param_groups.<parameter>.<hyperparameter> entries")
+    hypers: dict[str, dict] = {}
+    state_items = []
+    for k, v in tree.items():
+        if type(k) is not str or not k.startswith(FLAT_PREFIXES):
+            raise CheckpointError(f"{at}: the key {_shown(k) if _is_id(k) else _kind(k)} is neither a state nor a "
+                                  f"param_groups entry; {how}")
+        if k.startswith("param_groups."):
+            name, _, hyper = k[len("param_groups."):].rpartition(".")
+            if not name or not hyper:
+                raise CheckpointError(f"{at}: the key {quote(k)} names no parameter and hyperparameter; {how}")
+            if hyper in ("params", "param_names"):
+                raise CheckpointError(f"{at}: the key {quote(k)} is a parameter list, which the flattened form "
+                                      "does not hold; the file is corrupt or was edited")
+            hypers.setdefault(name, {})[hyper] = _plain(v, f"{at}: hyperparameter {quote(k)}")
+        else:
+            state_items.append((k, v))
+    if not hypers:
+        raise CheckpointError(f"{at}: a flattened optimizer state_dict without param_groups.<parameter>."
+                              f"<hyperparameter> entries; {how}")
+    runs: list[tuple[list[str], dict]] = []
+    for name, hyper in hypers.items():
+        if runs and runs[-1][1] == hyper:
+            runs[-1][0].append(name)
+        else:
+            runs.append(([name], hyper))
+    states: dict[str, dict] = {}
+    for k, v in state_items:
+        rest = k[len("state."):]
+        name = key = None
+        pos = len(rest)
+        for _ in range(_MAX_NESTING):  # the longest listed name first: the key is what is left
+            pos = rest.rfind(".", 0, pos)
+            if pos <= 0:
+                break
+            if rest[:pos] in hypers:
+                name, key = rest[:pos], rest[pos + 1:]
+                break
+        if name is None:
+            raise CheckpointError(f"{at}: the key {quote(k[:200])} names no parameter that a param_groups."
+                                  "<parameter>.<hyperparameter> key lists; the state of a parameter the optimizer "
+                                  "does not hold, so the file is corrupt or was edited")
+        if "." in key or not key:
+            raise CheckpointError(f"{at}: the state {quote(key)} of {quote(name)} is nested (a dict of state, as "
+                                  "Shampoo keeps); fusectl moves per-parameter tensors and numbers only")
+        if not isinstance(v, LazyTensor) and type(v) not in (int, float, bool):
+            raise CheckpointError(f"{at}: state {quote(key)} of {quote(name)} is {_kind(v)}, neither a tensor "
+                                  "nor a number")
+        states.setdefault(name, {})[key] = v
+    groups = tuple(ParamGroup(tuple(names), hyper) for names, hyper in runs)
+    return OptimizerState(where, groups, states, {}, "flat")
 
 
 def map_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec]], path: str,
-                   order: Sequence[str] | None = None, order_source: str | None = None) -> ParamMap:
+                   order: Sequence[str] | None = None, order_source: str | None = None,
+                   aliases: Mapping[str, str] | None = None) -> ParamMap:
     """Which parameter each of ``state``'s ids is, proven by names or shapes.
 
     :param params: the model's parameters as (name, spec), in the state dict's order, each
@@ -152,6 +252,9 @@ def map_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec
     :param order: the parameter names in the order the optimizer was given them
         (``[n for n, _ in model.named_parameters()]``), read from ``order_source``; used
         instead of the state dict's order.
+    :param aliases: every name of the state dict → the name ``params`` gives its tensor (a
+        tied name → its group's): an optimizer that names a parameter may use any of a tied
+        group's names.
     :returns: a :class:`ParamMap`. Names come from the groups' ``param_names`` when present,
         from name keys when the ids are names; else each group's ids, in their order, must sit
         in the parameters' order as one increasing sequence (groups interleaved, buffers
@@ -163,11 +266,13 @@ def map_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec
     """
     at = f"{printable(path)}: optimizer state {quote(state.where)}"
     specs = dict(params)
+    tied = aliases or {}
+    elementwise = recognise(set(state.keys()), [g.hyper for g in state.groups])[1] is None
     if all(g.param_names is not None for g in state.groups):
-        names = {p: n for g in state.groups for p, n in zip(g.params, g.param_names)}
+        names = {p: tied.get(n, n) for g in state.groups for p, n in zip(g.params, g.param_names)}
         source = "param_names"
     elif all(type(p) is str for p in state.ids()):
-        names = {p: p for p in state.ids()}
+        names = {p: tied.get(p, p) for p in state.ids()}
         source = "state keys"
     else:
         if order is not None:
@@ -182,18 +287,38 @@ def map_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec
         source = order_source if order is not None else "state dict order"
     for pid, name in names.items():
         if name not in specs:
-            raise CheckpointError(f"{at}: parameter id {_shown(pid)} is named {quote(name)}, which the model's "
-                                  "state dict does not hold")
-        shape = _shape_of(state.states.get(pid, {}))
-        if shape is not None and shape != specs[name].shape:
-            key, t = next((k, v) for k, v in state.states[pid].items() if _shaped(k, v))
-            raise CheckpointError(f"{at}: state {quote(key)} of {quote(name)} is {list(t.spec.shape)}, the "
-                                  f"parameter is {list(specs[name].shape)}; a state must be shaped like its "
-                                  "parameter")
+            said = f"names the parameter {quote(name)}" if pid == name else \
+                f"names parameter id {_shown(pid)} {quote(name)}"
+            raise CheckpointError(f"{at}: the optimizer {said}, which the model's state dict does not hold; load "
+                                  "the model whose optimizer this is (one saved with a prefix such as 'module.' "
+                                  "has other names)")
+        _check_shapes(state.states.get(pid, {}), name, specs[name].shape, elementwise, at)
     names = {p: names[p] for p in state.ids() if p in names}
     if len(set(names.values())) != len(names):
-        raise CheckpointError(f"{at}: two parameter ids name one parameter; the optimizer dict is corrupt")
+        twice = next(n for n in names.values() if list(names.values()).count(n) > 1)
+        pids = [p for p, n in names.items() if n == twice]
+        raise CheckpointError(f"{at}: two parameter ids, {_shown(pids[0])} and {_shown(pids[1])}, name one "
+                              f"parameter, {quote(twice)} (a tied parameter is one, with one state); the "
+                              "optimizer dict is corrupt")
     return ParamMap(names, source)
+
+
+def _check_shapes(entry: Mapping, name: str, shape: tuple, elementwise: bool, at: str) -> None:
+    """Every state tensor of ``name`` shaped like it (an elementwise optimizer's; a whole-tensor
+    one's factored moments are refused later, naming the optimizer: here only their common
+    shape, if they have one), each per-parameter number one number (or shaped like it)."""
+    for key, value in entry.items():
+        if not isinstance(value, LazyTensor):
+            continue
+        got = tuple(value.spec.shape)
+        if key in SCALAR_KEYS:
+            if got != tuple(shape) and math.prod(got) > 1:
+                raise CheckpointError(f"{at}: state {quote(key)} of {quote(name)} is {list(got)}, not one number; "
+                                      "the optimizer dict is corrupt")
+            continue
+        if got != tuple(shape) and (elementwise or _shape_of(entry) is not None):
+            raise CheckpointError(f"{at}: state {quote(key)} of {quote(name)} is {list(got)}, the parameter "
+                                  f"is {list(shape)}; a state must be shaped like its parameter")
 
 
 def _placement(state: OptimizerState, params: list[tuple[str, TensorSpec]], at: str, given: bool) -> dict:
@@ -340,6 +465,58 @@ def node_at(tree: object, key: str) -> object:
     return node
 
 
+def written_optimizer(state: OptimizerState, raw: Mapping, groups: Sequence[Sequence[tuple]]) -> dict:
+    """The optimizer dict of a converted training dict, in the form ``state`` was read in.
+
+    :param raw: the optimizer entry as read (``state`` parsed it): its groups' own values and
+        its other entries are kept.
+    :param groups: per param group (the flattened form: per run), the output's parameters in
+        order, each ``(name, source, unchanged, entry)``: its name in the output model, the
+        id of its (first) part in the input, whether it is that part unchanged, and its state
+        (moved tensors and numbers; empty: none).
+    :returns: ``"ids"``: ``params`` renumbered 0..n-1 over the groups and ``state`` keyed by the
+        new ids (what torch.optim writes; an input keyed by object ids comes out so too);
+        ``"names"``: keyed by name — an unchanged parameter's as the input named it, a new one's
+        its name in the output —, ``param_names`` (when present) the output's names;
+        ``"flat"``: ``state.<name>.<key>`` for every state, then ``param_groups.<name>.<hyper>``
+        for every parameter with its first part's hyperparameters as read.
+    """
+    keys = []
+    number = 0
+    for group in groups:
+        row = []
+        for name, source, unchanged, _ in group:
+            if state.form == "ids":
+                row.append(number)
+                number += 1
+            else:
+                row.append(source if unchanged else name)
+        keys.append(row)
+    if state.form == "flat":
+        hypers: dict[str, list] = {}
+        for k, v in raw.items():
+            if type(k) is str and k.startswith("param_groups."):
+                name, _, hyper = k[len("param_groups."):].rpartition(".")
+                hypers.setdefault(name, []).append((hyper, v))
+        out: dict = {}
+        for group, row in zip(groups, keys):
+            for (_, _, _, entry), key in zip(group, row):
+                out.update((f"state.{key}.{k}", v) for k, v in entry.items())
+        for group, row in zip(groups, keys):
+            for (_, source, _, _), key in zip(group, row):
+                out.update((f"param_groups.{key}.{h}", v) for h, v in hypers[source])
+        return out
+    new_states = {key: entry for group, row in zip(groups, keys) for (*_, entry), key in zip(group, row) if entry}
+    new_groups = []
+    for g, group, row in zip(raw["param_groups"], groups, keys):
+        d = dict(g)
+        d["params"] = row
+        if "param_names" in d:
+            d["param_names"] = [name for name, *_ in group]
+        new_groups.append(d)
+    return {**raw, "state": new_states, "param_groups": new_groups}
+
+
 def optimizer_tree(state: OptimizerState) -> dict:
     """``state`` as an optimizer ``state_dict()`` again (the tree :func:`parse_optimizer` reads)."""
     groups = []
@@ -388,8 +565,9 @@ def _plain(value: object, what: str, depth: int = 0):
 def _kind(value: object) -> str:
     if isinstance(value, LazyTensor):
         return f"a tensor {value.spec}"
+    name = type(value).__name__
     return {dict: "a dict", list: "a list", tuple: "a tuple", str: "text", type(None): "None"}.get(
-        type(value), f"a {type(value).__name__}")
+        type(value), f"{'an' if name[0] in 'aeiou' else 'a'} {name}")
 
 
 def _shown(p: object) -> str:
@@ -431,16 +609,17 @@ class Training:
 def find_optimizer(parent: Mapping, prefix: str) -> tuple[str | None, str | None]:
     """(the dotted key of the optimizer state in ``parent``, the dict at ``prefix`` that holds
     the model's state dict, or a problem): an entry named as training code names it
-    (:data:`OPTIMIZER_KEYS`) holding ``state`` and ``param_groups``, or Lightning's
-    ``optimizer_states`` list of one."""
+    (:data:`OPTIMIZER_KEYS`) holding ``state`` and ``param_groups`` or flattened keys (one
+    with only one of the two, or a malformed key, too: reading it says what is wrong, rather
+    than the optimizer being left behind), or Lightning's ``optimizer_states`` list of one."""
     def dotted(k: str) -> str:
         return f"{prefix}.{k}" if prefix else k
     found = []
     for k, v in parent.items():
         if type(k) is not str:
             continue
-        if k in OPTIMIZER_KEYS and isinstance(v, dict) and "state" in v and "param_groups" in v:
-            found.append(dotted(k))
+        if k in OPTIMIZER_KEYS and isinstance(v, dict) and ("state" in v or "param_groups" in v or _looks_flat(v)):
+            found.append(dotted(k))  # a malformed one too: reading it says what is wrong
         elif k == LIGHTNING_KEY and isinstance(v, (list, tuple)) and v:
             if len(v) > 1:
                 return None, (f"{quote(dotted(k))} holds {len(v)} optimizers; fusectl moves the state of "

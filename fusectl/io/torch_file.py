@@ -69,7 +69,7 @@ from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 from .contents import Contents
 from .npz_file import string_map
-from .optimizer_state import Training, find_optimizer
+from .optimizer_state import Training, find_optimizer, is_optimizer_dict
 from .pickle_scan import Builds, NeedMore, call_bytes, scan
 from .sharded import read_index
 from .sniff import check_pytorch
@@ -877,7 +877,7 @@ def _find_dicts(root: object, where: str) -> _Dicts:
         seen.add(id(d))
         if depth > depth_budget:
             check_limit("pickle-depth", depth, f"{where}: dicts nested under {quote(dotted[:200])}")
-        optimizer = optimizer or ("state" in d and "param_groups" in d)
+        optimizer = optimizer or is_optimizer_dict(d)
         views = [v for v in d.values() if isinstance(v, _View)]
         if views and optimizer:
             found.optimizer_tensors = True
