@@ -89,8 +89,11 @@ def session(model: str | bytes, provider: str, what: str, initializers: Mapping[
     ort = _ort()
     options = ort.SessionOptions()
     options.log_severity_level = _ORT_SILENT
-    for name, value in (initializers or {}).items():
-        options.add_initializer(name, value)
+    try:
+        for name, value in (initializers or {}).items():
+            options.add_initializer(name, value)
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise VerifyError(f"{printable(what)}: onnxruntime refused a shared initializer: {one_line(e)}") from e
     if initializers:
         options.add_session_config_entry("session.disable_prepacking", "1")
     if provider == CUDA:
