@@ -16,8 +16,9 @@ from .compare import check_tolerance, compare
 from .input_ranges import DEFAULT, IntegerRange, integer_input_ranges
 from .inputs_file import load_inputs_file
 from .report import Check, VerifyReport
-from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, random_integer_inputs,
-                     resolve_provider, run, session)
+from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, ort_values,
+                     random_integer_inputs, resolve_provider, run, session)
+from .shared_initializers import SharedInitializers, find_shared
 
 __all__ = ["ModelVerifyReport", "load_inputs_file", "model_input_paths", "verify_models"]
 from .upcast import has_bfloat16, upcast_bfloat16
@@ -25,18 +26,20 @@ from .upcast import has_bfloat16, upcast_bfloat16
 
 @dataclass
 class ModelVerifyReport(VerifyReport):
-    """A model-mode report: also the named dynamic dimensions the inputs were made with, and
-    (in ``inputs``) the ``range`` and ``range_from`` of each random integer input."""
+    """A model-mode report: also the named dynamic dimensions the inputs were made with,
+    (in ``inputs``) the ``range`` and ``range_from`` of each random integer input, and the
+    initializers both sessions ran on one copy of (``shared``: count and bytes)."""
 
     dims: dict[str, int] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=lambda: SharedInitializers().to_json())
 
     def to_json(self) -> dict:
-        """The report's JSON (``--report``), with the named ``dims`` added."""
-        return {**super().to_json(), "dims": dict(self.dims)}
+        """The report's JSON (``--report``), with ``shared_initializers`` and the named ``dims`` added."""
+        return {**super().to_json(), "shared_initializers": dict(self.shared), "dims": dict(self.dims)}
 
     def to_text(self) -> str:
         """The report's text, with a line listing the inputs (and the dims and random integer
-        ranges they were made with) after the first."""
+        ranges they were made with) after the first, and one saying what both sessions shared."""
         head, *rest = super().to_text().split("\n")
         inputs = ", ".join(f"{printable(i['name'])} {i['dtype']}{i['shape']}"
                            + (" from file" if i["source"] == "file" else "") for i in self.inputs)
@@ -47,6 +50,9 @@ class ModelVerifyReport(VerifyReport):
                   for i in self.inputs if "range" in i]
         if ranges:
             line += "\n  random integers: " + ", ".join(ranges)
+        if self.shared["count"]:
+            line += (f"\n  shared: {self.shared['count']} initializer(s), {self.shared['bytes'] / 1e6:.1f} MB "
+                     "loaded once for both sessions")
         return "\n".join([head, line, *rest])
 
 
@@ -135,23 +141,30 @@ def verify_models(
     shapes: Mapping[str, tuple[int, ...]] | None = None,
     dims: Mapping[str, int] | None = None,
     seed: int = 0,
+    share: bool = True,
 ) -> ModelVerifyReport:
     """Run ``reference`` and ``candidate`` with identical inputs and compare outputs by name.
 
     ``inputs`` are arrays to feed by input name; the other inputs are seeded random, shaped by
     ``shapes`` (input name -> whole shape) and ``dims`` (dim_param name -> size), see
-    :func:`fusectl.verification.runner.resolve_shapes`.
+    :func:`fusectl.verification.runner.resolve_shapes`. On CPU, initializers both graphs hold
+    alike in external data are loaded once for both sessions
+    (:mod:`fusectl.verification.shared_initializers`; ``share=False`` loads each graph on its own).
     """
     atol = None if atol is None else check_tolerance("atol", atol)
     rtol = None if rtol is None else check_tolerance("rtol", rtol)
     seed = check_seed(seed)
-    for path in (reference, candidate):  # before onnxruntime (or onnx-ir) reads a byte of it
-        model_input_paths(path)
+    # before onnxruntime (or onnx-ir) reads a byte of them
+    external = all([len(model_input_paths(path)) > 1 for path in (reference, candidate)])
     chosen = resolve_provider(provider)
     # onnxruntime has no bf16 CPU kernels: on CPU both models run upcast to float32
     upcast = chosen == CPU and (has_bfloat16(reference) or has_bfloat16(candidate))
-    ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference)
-    cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate)
+    # a CUDA session would copy a CPU array to the device anyway (onnxruntime then uses its own)
+    shared = (find_shared(reference, candidate) if share and external and chosen == CPU and not upcast
+              else SharedInitializers())
+    values = ort_values(shared.arrays)
+    ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference, values)
+    cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate, values)
     _check_outputs(ref_sess, reference)
     _check_outputs(cand_sess, candidate)
     given = _Float32Inputs(inputs or {}) if upcast else (inputs or {})
@@ -165,7 +178,7 @@ def verify_models(
         )
     ref_out = run(ref_sess, feeds, reference)
     cand_out = run(cand_sess, feeds, candidate)
-    report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named,
+    report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named, shared=shared.to_json(),
                                precision="fp32-upcast" if upcast else "native",
                                inputs=[_input_entry(s) for s in specs])
     for name, expected in ref_out.items():

@@ -72,11 +72,30 @@ def resolve_provider(choice: str) -> str:
     return CUDA if CUDA in available else CPU
 
 
-def session(model: str | bytes, provider: str, what: str):
-    """An InferenceSession that really runs on ``provider`` (strict fp32: TF32 off on CUDA)."""
+def ort_values(arrays: Mapping[str, np.ndarray]) -> dict:
+    """An OrtValue over each array's own memory, by name (no copy on CPU): what
+    :func:`session` takes as ``initializers``. Keep the arrays for as long as the sessions run."""
+    ort = _ort()
+    return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+
+
+def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None):
+    """An InferenceSession that really runs on ``provider`` (strict fp32: TF32 off on CUDA).
+
+    ``initializers`` (OrtValues by name, :func:`ort_values`) replace the model's own tensors of
+    those names, so that two sessions can run on one copy; pre-packing is then off, since a
+    kernel's packed copy of a shared weight would be one more copy in each session.
+    """
     ort = _ort()
     options = ort.SessionOptions()
     options.log_severity_level = _ORT_SILENT
+    try:
+        for name, value in (initializers or {}).items():
+            options.add_initializer(name, value)
+    except Exception as e:  # onnxruntime raises its own exception types
+        raise VerifyError(f"{printable(what)}: onnxruntime refused a shared initializer: {one_line(e)}") from e
+    if initializers:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if provider == CUDA:
         # TF32 would hide a 1e-4 difference, so strict fp32 runs with it off
         providers = [(CUDA, {"use_tf32": "0"}), CPU]
