@@ -95,18 +95,24 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
         found = {group_of[p] for p in parts}
         if len(found) > 1:
             raise PlanError(f"{printable(checkpoint.path)}: {quote(name)} is made of parameters of two optimizer "
-                            f"param groups ({quote(parts[0])} and another); the optimizer cannot hold it")
+                            f"param groups ({quote(parts[0])} and another); the optimizer cannot hold it (pass "
+                            f"{option('drop_optimizer')} to write the model without its optimizer state)")
         groups[found.pop()].append(name)
     if param_order_out is not None:
         groups = _ordered(groups, order, model_names, param_order_out)
 
     new_ids, new_states = [], {}
     number = 0
+    seen: set[int] = set()
     for group in groups:
         ids = []
         for name in group:
             ids.append(number)
             entry = _state_of(name, members[name], state, id_of, table, checkpoint.path)
+            for key, value in entry.items():  # untied members: each its own copy of the one state
+                if isinstance(value, LazyTensor):
+                    entry[key] = _Copy(value) if id(value) in seen else value
+                    seen.add(id(value))
             if entry:
                 new_states[number] = entry
             number += 1
@@ -203,6 +209,24 @@ def _state_of(name: str, parts: list[str], state, id_of: Mapping, table: ParamTa
             raise PlanError(f"{printable(path)}: the parts of {quote(name)} hold different state keys "
                             f"({quote(parts[0])} and {quote(p)}); one fused parameter keeps one state")
     return entry
+
+
+class _Copy(LazyTensor):
+    """Another tensor with ``source``'s data: written as its own storage (an untied member's
+    state, which torch's optimizer must not update in place with another parameter's)."""
+
+    __slots__ = ("source", "spec")
+
+    def __init__(self, source: LazyTensor):
+        self.source, self.spec = source, source.spec
+
+    def read(self):
+        """The source's data."""
+        return self.source.read()
+
+    def byte_ranges(self):
+        """The source's file ranges (copied without decoding)."""
+        return self.source.byte_ranges()
 
 
 def _tensors(tree):
