@@ -421,7 +421,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
         getting its own copy of the one state (the report's ``optimizer.untied`` lists them).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
-        optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out`` does not list; ComputeError when a step's data is invalid for its
+        optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out``
+        does not list; ComputeError when a step's data is invalid for its
         op; OutputError when ``out`` exists (without ``force``) or would overwrite an input.
 
     >>> import os, tempfile
@@ -757,9 +758,10 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     if any(graphs) and key is not None:
         raise VerifyError(f"{option_name('key')} selects a state dict inside a PyTorch checkpoint; it does not "
                           "apply to .onnx models")
-    if any(graphs) and (param_order or param_order_out) is not None:
-        raise VerifyError(f"{option_name('param_order' if param_order is not None else 'param_order_out')} orders a training checkpoint's optimizer; it does not "
-                          "apply to .onnx models")
+    order = "param_order" if param_order is not None else "param_order_out" if param_order_out is not None else None
+    if any(graphs) and order is not None:
+        raise VerifyError(f"{option_name(order)} orders a training checkpoint's optimizer; it does not apply to "
+                          ".onnx models")
     if all(graphs):
         reference, candidate = os.fspath(reference), os.fspath(candidate)
         inputs_path = os.fspath(inputs) if isinstance(inputs, (str, os.PathLike)) else None

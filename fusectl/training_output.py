@@ -148,10 +148,14 @@ def model_ties(table: ParamTable) -> list[list[str]]:
 
 
 def model_steps(plan: Plan) -> Plan:
-    """``plan`` without the optimizer state's steps: what the provenance records (the state
-    follows its parameters by rule; a replay or an inverse acts on the model's tensors)."""
-    return Plan(tuple(replace(g, steps=tuple(s for s in g.steps
-                                             if not any(STATE_SEP in n for n in (*s.inputs, *s.outputs))))
+    """``plan`` without the optimizer state's steps and ties: what the provenance records (the
+    state follows its parameters by rule; a replay or an inverse acts on the model's tensors)."""
+    def model(names) -> bool:
+        return not any(STATE_SEP in n for n in names)
+
+    return Plan(tuple(replace(g, steps=tuple(s for s in g.steps if model((*s.inputs, *s.outputs))),
+                              untied=tuple(m for m in g.untied if model(m)),
+                              untied_stored=tuple(m for m, u in zip(g.untied_stored, g.untied) if model(u)))
                       for g in plan.groups))
 
 

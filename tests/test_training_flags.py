@@ -135,6 +135,20 @@ def test_untie_training_gives_each_member_a_copy_of_the_one_state_and_says_the_t
     ok(run_cli("verify", tmp_path / "tied.pt", out))
 
 
+def test_unfuse_of_an_untied_training_dict_ties_it_again_bitwise(tmp_path):
+    write_tied(tmp_path / "tied.pt")
+    rules = write_rules(tmp_path / "t.toml", TRANSPOSE_EMBED)
+    ok(run_cli("fuse", tmp_path / "tied.pt", "-r", rules, "--untie-training", "-o", tmp_path / "out.pt"))
+    # the provenance records the model's broken tie only: the state follows its parameters by rule
+    groups = fusectl.open_checkpoint(str(tmp_path / "out.pt")).provenance.plan.groups
+    assert [g.untied for g in groups] == [(("embed.weight", "head.weight"),)]
+    ok(run_cli("unfuse", tmp_path / "out.pt", "-o", tmp_path / "back.pt"))
+    original = fusectl.open_checkpoint(str(tmp_path / "tied.pt"))
+    restored = fusectl.open_checkpoint(str(tmp_path / "back.pt"))
+    assert restored.table.ties() == [["embed.weight", "head.weight"]]
+    assert tree_differences(original.training.tree(), restored.training.tree()) == []
+
+
 def test_the_untied_states_load_into_torchs_adamw_as_separate_tensors(tmp_path):
     torch = pytest.importorskip("torch")
     write_tied(tmp_path / "tied.pt")
