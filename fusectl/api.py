@@ -41,7 +41,7 @@ from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
-from .training_output import model_steps, model_ties, write_training, writes_training
+from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
 from .write import write_table
 
 __all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
@@ -112,7 +112,7 @@ def _optimizer_lines(fate: dict | None) -> list[str]:
     if fate is None:
         return []
     said = {"moved": "moved with its parameters",
-            "dropped": f"dropped ({option_name('drop_optimizer')}): the output holds the model only",
+            "dropped": f"dropped ({option_name('drop_optimizer')}): the output holds the model without it",
             "not written": "not written: the output format holds the model only"}
     lines = [f"optimizer state ({printable(fate['where'])}): {said[fate['state']]}"]
     for members in fate["untied"]:
@@ -302,7 +302,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     ``whole_training``: ``table`` holds the optimizer state too, and the whole training dict is
     written (``training_output``; ``param_order_out`` its parameter order; ``moved`` the plan that
     made ``table`` when it is not ``new``, as for an unfuse, which records no steps). ``dropped``:
-    the optimizer is left out on purpose (no note); ``untied``: tie groups of trained parameters
+    the optimizer is left out on purpose (no note; a PyTorch output is the training dict without
+    it, ``training_output.write_without_optimizer``); ``untied``: tie groups of trained parameters
     the plan broke (``untie_training``); both go into the report's ``optimizer``."""
     out = os.fspath(out)
     training = checkpoint.training
@@ -311,13 +312,18 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         state = "moved" if whole_training else "dropped" if dropped else "not written"
         fate = {"where": training.optimizer_key, "state": state, "untied": [list(g) for g in untied],
                 "trajectory_changes": bool(untied)}
-    if whole_training:
-        if max_shard_size is not None:
-            raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
+    as_training = whole_training or (dropped and writes_training(checkpoint, out))  # a training dict's tree
+    if as_training and max_shard_size is not None:
+        raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
+    if as_training:
         edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        report = write_training(checkpoint, table, new if moved is None else moved, recorded, out, param_order_out=param_order_out,
-                                force=force, on_note=on_note)
+        made = new if moved is None else moved
+        if whole_training:
+            report = write_training(checkpoint, table, made, recorded, out, param_order_out=param_order_out,
+                                    force=force, on_note=on_note)
+        else:  # dropped: the training dict without its optimizer
+            report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table), optimizer=fate)
     if fate is not None and not dropped and on_note is not None:
@@ -391,9 +397,10 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     ``.ckpt``) is written whole: the fused model, the optimizer with its state moved (each
     state tensor takes its parameter's steps) and its ids renumbered in the output parameter
     order, every other entry kept (``fusectl.training_output``). Other outputs hold the model
-    only. With ``drop_optimizer`` any output holds the model only — a PyTorch file its bare
-    state dict, as ``model.state_dict()`` saves it — and the rules the optimizer cannot follow
-    (numeric folds, a non-elementwise optimizer) apply.
+    only. With ``drop_optimizer`` no output holds the optimizer state — a PyTorch file is the
+    training dict without it (Lightning's: without ``optimizer_states`` and ``lr_schedulers``,
+    as ``save_weights_only`` writes), every other entry kept — and the rules the optimizer
+    cannot follow (numeric folds, a non-elementwise optimizer) apply.
 
     :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param rules: rules files or preset names, applied in order (at least one).

@@ -198,8 +198,8 @@ untie_training_option = click.option(
          "state, and trains on its own gradient instead of the members' summed one (another trajectory).")
 drop_option = click.option(
     "--drop-optimizer", "drop_optimizer", is_flag=True,
-    help="Write a training checkpoint's model without its optimizer state, on purpose (a .pt output holds "
-         "the bare state dict); folds and rules the optimizer cannot follow then apply.")
+    help="Write a training checkpoint without its optimizer state, on purpose (a .pt output: the training "
+         "dict without it, other entries kept); folds and rules the optimizer cannot follow then apply.")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
 order_option = click.option(

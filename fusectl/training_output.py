@@ -36,7 +36,7 @@ from .followers.optimizer import STATE_SEP
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.optimizer_state import node_at, read_order, training_tree
+from .io.optimizer_state import LIGHTNING_KEY, node_at, read_order, training_tree
 from .steps import Plan
 from .table import ParamTable
 from .tensors import LazyTensor
@@ -64,17 +64,8 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
     training = checkpoint.training
     state, mapping = checkpoint.optimizer_mapped
     model_names = [n for n in table.entries if STATE_SEP not in n]
-    inputs = list(checkpoint.table.entries)  # the state dict's order
-    origins = _origins(inputs, plan)
-    position = {n: i for i, n in enumerate(inputs)}
-
-    def first_part(name: str) -> int:
-        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
-
     order = read_order(os.fspath(param_order_out)) if param_order_out is not None else []
-    rank = {n: i for i, n in enumerate(order)}  # a given order orders the state dict as well
-    made_at = {n: i for i, n in enumerate(model_names)}
-    model_order = sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n]))
+    model_order, origins, position = _model_order(checkpoint, model_names, plan, order)
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
 
     # each output parameter of the optimizer: the unique name, its group, its input ids
@@ -127,7 +118,58 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
         new_groups.append(d)
     new_optimizer = {**optimizer, "state": new_states, "param_groups": new_groups}
     root = training_tree(training.tree(), training.model_key, model, training.optimizer_key, new_optimizer)
+    return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
 
+
+def write_without_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
+                            force: bool = False, on_note: Callable[[str], None] | None = None) -> WriteReport:
+    """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its model)
+    as its model and its optimizer left out (``--drop-optimizer``): the entry at its optimizer
+    key, or Lightning's ``optimizer_states`` with ``lr_schedulers``, as Lightning's
+    ``save_weights_only`` leaves them out; every other entry kept. The model in the state dict's
+    order, each fused tensor where its first part was."""
+    training = checkpoint.training
+    model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
+    model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
+    root = training_tree(training.tree(), training.model_key, model, None, None)
+    parts = training.optimizer_key.split(".")
+    if len(parts) >= 2 and parts[-2] == LIGHTNING_KEY and parts[-1].isdigit():
+        root = _without(root, parts[:-2], {LIGHTNING_KEY, "lr_schedulers"})
+    else:
+        root = _without(root, parts[:-1], {parts[-1]})
+    return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
+
+
+def _without(tree, where: list[str], keys: set[str]):
+    """``tree`` with the entries ``keys`` of the dict at the dotted path ``where`` left out."""
+    if not where:
+        return {k: v for k, v in tree.items() if str(k) not in keys}
+    if isinstance(tree, (list, tuple)):
+        items = list(tree)
+        items[int(where[0])] = _without(items[int(where[0])], where[1:], keys)
+        return type(tree)(items)
+    return {k: (_without(v, where[1:], keys) if str(k) == where[0] else v) for k, v in tree.items()}
+
+
+def _model_order(checkpoint: Checkpoint, model_names: list[str], plan: Plan, order: list[str]):
+    """(the output's model tensors in order, each model tensor's input names, each input name's
+    position): ``order`` first (a given parameter order orders the state dict as well), then the
+    state dict's order, a fused tensor where its first part was."""
+    inputs = list(checkpoint.table.entries)  # the state dict's order
+    origins = _origins(inputs, plan)
+    position = {n: i for i, n in enumerate(inputs)}
+
+    def first_part(name: str) -> int:
+        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
+
+    rank = {n: i for i, n in enumerate(order)}
+    made_at = {n: i for i, n in enumerate(model_names)}
+    return sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n])), origins, position
+
+
+def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, recorded: Plan, out: str, force: bool,
+                on_note) -> WriteReport:
+    """Write the training tree ``root`` whose model is ``table``'s, ``recorded`` as its provenance."""
     model_table = table.copy()
     model_table.remove([n for n in table.entries if STATE_SEP in n])
     shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)

@@ -5,7 +5,8 @@
   is exit 2 with nothing written, the error naming ``--untie-training``; with it, each untied
   member gets its own copy of the one state (its own storage: torch's optimizer updates
   moments in place) and the report says the trajectory changes.
-- ``--drop-optimizer`` writes the model alone (a ``.pt`` output: the bare state dict), so that
+- ``--drop-optimizer`` writes the model alone (a ``.pt`` output: the training dict without its
+  optimizer, Lightning's without ``optimizer_states`` and ``lr_schedulers``), so that
   folds, whole-tensor optimizers and parts with unequal steps — each refused without it, the
   error naming it — go through.
 - ``convert`` of a training dict to ``.pt`` gives back the whole dict bitwise; ``fuse`` then
@@ -62,9 +63,8 @@ def write_tied(path, state_keys=("exp_avg", "exp_avg_sq"), hyper=None) -> dict:
             arrays[f"{name}::{key}"] = rng.standard_normal(arrays[name].shape) * (k + 1)
             state[pid][key] = tensor(arrays[f"{name}::{key}"])
     group = hyper or {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0.01, "amsgrad": False}
-    write_torch_file(str(path), {"model_state_dict": model,
-                                 "optimizer_state_dict": {"state": state, "param_groups": [{**group, "params": [0, 1]}]},
-                                 "epoch": 2})
+    optimizer = {"state": state, "param_groups": [{**group, "params": [0, 1]}]}
+    write_torch_file(str(path), {"model_state_dict": model, "optimizer_state_dict": optimizer, "epoch": 2})
     return arrays
 
 
@@ -177,7 +177,7 @@ def test_untie_with_the_optimizer_not_written_needs_no_second_flag(tmp_path):
     report = ok(run_cli("fuse", tmp_path / "tied.pt", "-r", rules, "--untie", "--drop-optimizer",
                         "-o", tmp_path / "m.pt", "--json")).json()
     assert report["optimizer"]["state"] == "dropped"
-    assert fusectl.open_checkpoint(str(tmp_path / "m.pt")).training is None
+    assert fusectl.open_checkpoint(str(tmp_path / "m.pt")).training.optimizer_key is None
 
 
 # --- --drop-optimizer ---------------------------------------------------------------------------
@@ -204,13 +204,20 @@ def test_a_fold_of_a_training_dict_is_refused_naming_drop_optimizer_and_goes_thr
     ok(run_cli("fuse", TORCH / "training.pt", "-r", "conv-bn-fold", "-o", tmp_path / "ref.safetensors"))
     dropped = fusectl.open_checkpoint(str(tmp_path / "out.pt"))
     alone = fusectl.open_checkpoint(str(tmp_path / "ref.safetensors"))
-    assert dropped.training is None and dropped.state_dict_key is None  # the bare state dict
+    # the training dict without its optimizer, every other entry as it was
+    original = fusectl.open_checkpoint(str(TORCH / "training.pt")).training.tree()
+    kept = dropped.training.tree()
+    assert dropped.training.optimizer_key is None and dropped.state_dict_key == "model_state_dict"
+    assert list(kept) == [k for k in original if k != "optimizer_state_dict"]
+    others = [k for k in kept if k != "model_state_dict"]
+    assert tree_differences({k: original[k] for k in others}, {k: kept[k] for k in others}) == []
     assert sorted(dropped.table.names()) == sorted(alone.table.names())
     for name in alone.table.names():
         assert dropped.table[name].read().tobytes() == alone.table[name].read().tobytes(), name
     text = ok(run_cli("fuse", TORCH / "training.pt", "-r", "conv-bn-fold", "--drop-optimizer",
                       "-o", tmp_path / "o2.pt")).stdout
-    assert "optimizer state (optimizer_state_dict): dropped (--drop-optimizer)" in text
+    assert "optimizer state (optimizer_state_dict): dropped (--drop-optimizer): the output holds the model without it" \
+        in text
 
 
 def test_plan_with_drop_optimizer_plans_a_fold_without_state_steps(tmp_path):
@@ -270,7 +277,18 @@ def test_convert_to_safetensors_or_with_drop_optimizer_writes_the_model_only(tmp
     result = ok(run_cli("convert", TRAINING / "llama-adamw.pt", "-o", tmp_path / "m.pt", "--drop-optimizer"))
     assert "not written" not in result.stderr
     converted = fusectl.open_checkpoint(str(tmp_path / "m.pt"))
-    assert converted.training is None and len(converted.table.names()) == 21
+    assert converted.training.optimizer_key is None and len(converted.table.names()) == 21
+
+
+def test_a_lightning_ckpt_with_drop_optimizer_is_what_save_weights_only_writes(tmp_path):
+    out = tmp_path / "weights.ckpt"
+    ok(run_cli("fuse", TRAINING / "lightning.ckpt", *RULES, "--drop-optimizer", "-o", out))
+    original = fusectl.open_checkpoint(str(TRAINING / "lightning.ckpt")).training.tree()
+    kept = fusectl.open_checkpoint(str(out)).training.tree()
+    assert list(kept) == [k for k in original if k not in ("optimizer_states", "lr_schedulers")]
+    assert len(kept["state_dict"]) == 15
+    for key in ("epoch", "global_step", "loops", "callbacks"):
+        assert kept[key] == original[key], key
 
 
 @pytest.mark.parametrize("name", ["llama-adamw.pt", "llama-sgd.pt", "lightning.ckpt"])

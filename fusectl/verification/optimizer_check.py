@@ -77,8 +77,8 @@ def optimizer_replay(reference: Checkpoint, candidate: Checkpoint, plan: Plan) -
         return None
     if cand_where is None:
         return OptimizerReplay(ref_where, None, "dropped", checks=[Check(
-            "optimizer", ref_where, True, detail="dropped: the candidate holds the model only, so the reference's "
-            "optimizer state is not checked")])
+            "optimizer", ref_where, True, detail="dropped: the candidate holds no optimizer state, so the "
+            "reference's is not checked")])
     if ref_where is None:
         return OptimizerReplay(None, cand_where, "not in the reference", checks=[Check(
             "optimizer", cand_where, False, detail="the candidate holds optimizer state but the reference has none; "
