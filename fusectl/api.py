@@ -24,14 +24,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from .errors import PlanError, VerifyError, option, option_name, printable, quote, speaking_cli
-from .executor import apply_group, run_plan
+from .errors import CheckpointError, PlanError, TieError, VerifyError, option, option_name, printable, quote, \
+    speaking_cli
+from .executor import run_plan
 from .config_edit import resolve_edits
 from .inspection import InspectReport, inspect_checkpoint
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
 from .io.formats import output_kind
 from .steps import Plan, RuleOrigin
-from .planner import bind_and_lift
+from .followers.optimizer import STATE_SEP
+from .planner import bind_and_lift, lift_recorded
 from .reports import human, name_map_text, plan_json, plan_text
 from .rules.inverse import InverseProof, invert_with_proof
 from .rules.origin import load_recorded_rules
@@ -41,7 +43,7 @@ from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .io.trainer_folder import TrainerOptimizer
 from .trainer_output import write_trainer_folder
-from .training_output import model_steps, model_ties, write_training, writes_training
+from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
 from .write import write_table
 
 __all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
@@ -81,9 +83,12 @@ class FuseReport:
     steps: int  # steps in the recorded plan
     ties: list[list[str]]
     seconds: float = 0.0  # from the call to the output in place, rounded to milliseconds
+    # a training checkpoint's optimizer state: what became of it (``_optimizer_fate``); None: none
+    optimizer: dict | None = None
 
     def to_json(self) -> dict:
-        """The documented ``--json`` object of fuse, unfuse and convert."""
+        """The documented ``--json`` object of fuse, unfuse and convert (README: "Training
+        checkpoints" documents ``optimizer``)."""
         return {
             "output": self.output,
             "tensors": self.tensors,
@@ -93,12 +98,31 @@ class FuseReport:
             "steps": self.steps,
             "ties": self.ties,
             "seconds": self.seconds,
+            "optimizer": self.optimizer,
         }
 
     def to_text(self) -> str:
-        """The line fuse, unfuse and convert print: what was written, how much, how fast."""
-        return (f"wrote {self.output}: {self.tensors} tensors, {human(self.written_bytes)} "
+        """The line fuse, unfuse and convert print: what was written, how much, how fast; for a
+        training checkpoint, what became of its optimizer state."""
+        line = (f"wrote {self.output}: {self.tensors} tensors, {human(self.written_bytes)} "
                 f"({human(self.copied_bytes)} copied without decoding) in {self.seconds:.2f}s")
+        return "\n".join([line, *_optimizer_lines(self.optimizer)])
+
+
+def _optimizer_lines(fate: dict | None) -> list[str]:
+    """What ``fuse``/``unfuse``/``convert`` print about a training checkpoint's optimizer state."""
+    if fate is None:
+        return []
+    said = {"moved": "moved with its parameters",
+            "dropped": f"dropped ({option_name('drop_optimizer')}): the output holds the model without it",
+            "copied": "copied as it is (no step moves it)",
+            "not written": "not written: the output format holds the model only"}
+    lines = [f"optimizer state ({printable(fate['where'])}): {said[fate['state']]}"]
+    for members in fate["untied"]:
+        lines.append(f"untied {', '.join(map(quote, members))}: each has its own copy of the one optimizer state "
+                     "and its own gradient (tied, their gradients were summed), so training goes on along "
+                     "another trajectory than the tied model's")
+    return lines
 
 
 def _timed(report: FuseReport, started: float) -> FuseReport:
@@ -141,7 +165,7 @@ def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect:
                     write_ties_once: bool, training: bool = False) -> ParamTable:
     # training: with a training dict's optimizer state beside its parameters (a plan shows
     # their steps; an output format that can hold them is the torch writer's)
-    table = checkpoint.training_table() if training else checkpoint.table.copy()
+    table = _training_table(checkpoint) if training else checkpoint.table.copy()
     for ruleset in rulesets:
         declare_ties(table, ruleset.ties, f"{ruleset.source} [ties]")
     if detect:
@@ -151,9 +175,59 @@ def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect:
     return table
 
 
+def _training_table(checkpoint: Checkpoint) -> ParamTable:
+    """The checkpoint's table with its optimizer state (``Checkpoint.training_table``); an
+    optimizer that cannot be read or mapped is a CheckpointError that also says how to write
+    the model without it."""
+    try:
+        return checkpoint.training_table()
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; or pass {option('drop_optimizer')} to write the model without its optimizer "
+                              "state") from None
+
+
+def _has_optimizer(checkpoint: Checkpoint) -> bool:
+    """Whether the checkpoint is a training dict with an optimizer beside its model (read or not)."""
+    return checkpoint.training is not None and checkpoint.training.optimizer_key is not None
+
+
+def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
+    """``drop_optimizer`` applies to a checkpoint with an optimizer (PlanError otherwise)."""
+    if drop_optimizer and not _has_optimizer(checkpoint):
+        raise PlanError(f"{printable(str(checkpoint.path))} holds no optimizer state, so "
+                        f"{option_name('drop_optimizer')} has nothing to drop; leave it out")
+
+
+def _untied_training(checkpoint: Checkpoint, plan: Plan, untie_training: bool) -> list[list[str]]:
+    """The tie groups of trained parameters ``plan`` breaks, in a plan carrying the optimizer's
+    state (the state of a tied parameter is tied alike, ``Checkpoint.training_table``). Without
+    ``untie_training`` any is a TieError: the optimizer trains a tied group as one parameter, the
+    sum of its members' gradients, and untied each member trains on its own gradient."""
+    mapped = checkpoint.optimizer_mapped
+    trained = set(mapped[1].names.values()) if mapped is not None else set()
+    found = []
+    for group in plan.groups:
+        for members in group.untied:
+            if not any(STATE_SEP in m for m in members) and not any(
+                    m in checkpoint.table and checkpoint.table.unique_name(m) in trained for m in members):
+                continue
+            model = [m for m in members if STATE_SEP not in m]
+            if model and model not in found:
+                found.append(model)
+            if not untie_training:
+                raise TieError(
+                    f"{group.describe()} breaks the tie of {', '.join(map(quote, model or members))} in a training "
+                    "checkpoint: its optimizer trains them as one parameter, on the sum of their gradients; "
+                    "untied, each member gets its own gradient and a copy of the one optimizer state, so "
+                    f"training goes on along another trajectory. Pass {option('untie_training')} to do it "
+                    f"anyway, or {option('drop_optimizer')} to write the model without its optimizer state")
+    return found
+
+
 def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool = False,
          detect_ties: bool = False, write_ties_once: bool = False, follow_symlinks: bool = False,
-         key: str | None = None, param_order: str | None = None, param_order_from_model: bool = False) -> Planned:
+         key: str | None = None, param_order: str | None = None, param_order_from_model: bool = False,
+         drop_optimizer: bool = False, untie_training: bool = False) -> Planned:
     """Bind ``rules`` to a checkpoint, from headers alone (no tensor data is read).
 
     :param ckpt: the checkpoint: a path (a file or a folder, any format fusectl reads) or an
@@ -175,10 +249,18 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     :param param_order_from_model: take that order from the model's code instead of a file:
         the transformers class ``config.json`` names, built on the meta device (needs torch and
         transformers; never a model's own code).
+    :param drop_optimizer: plan a training checkpoint's model without its optimizer state (as
+        :func:`fuse` writes it with ``drop_optimizer``): folds and rules its optimizer cannot
+        follow are planned.
+    :param untie_training: allow rules that break a tie of trained parameters in a training
+        checkpoint (implies ``untie``): each member gets a copy of the one optimizer state and
+        trains on its own gradient, another trajectory than the tied model's.
     :returns: a :class:`Planned`: the plan and the table it makes (``.to_json()`` is
         ``plan --json``, ``.to_text()`` what ``plan`` prints).
     :raises PlanError: no rules, or rules that do not fit the checkpoint (TieError: a tie
-        would break without ``untie``); RuleError for a bad rules file or an unknown preset;
+        would break without ``untie``, a tie of trained parameters without ``untie_training``);
+        a rule a training checkpoint's optimizer state cannot follow (without
+        ``drop_optimizer``); RuleError for a bad rules file or an unknown preset;
         CheckpointError for an unreadable checkpoint.
 
     >>> planned = plan("fixtures/tiny-llama-gqa", ["llama-qkv"])
@@ -187,20 +269,26 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     >>> planned.to_json()["result"]["unique_count"]
     17
     """
-    return _plan(_checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model), rules, untie,
-                 detect_ties, write_ties_once, training=True)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
+    _check_drop(checkpoint, drop_optimizer)
+    return _plan(checkpoint, rules, untie or untie_training, detect_ties, write_ties_once, training=not drop_optimizer,
+                 untie_training=untie_training)
 
 
 def _plan(checkpoint: Checkpoint, rules: Sequence[str], untie: bool, detect_ties: bool, write_ties_once: bool,
-          training: bool) -> Planned:
+          training: bool, untie_training: bool = False) -> Planned:
     """``plan`` on an opened checkpoint; ``training``: with a training dict's optimizer state
-    (``fuse`` leaves it out until its output can hold it)."""
+    (an output that holds the model only leaves it out), whose trained ties break only with
+    ``untie_training``."""
     if not rules:
         raise PlanError("give at least one rules file or preset name")
     loaded = _load_with_origins(checkpoint, rules)
     rulesets = [ruleset for ruleset, _ in loaded]
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once, training=training)
-    return _bind(checkpoint, table, rulesets, untie, origins=[origin for _, origin in loaded])
+    planned = _bind(checkpoint, table, rulesets, untie, origins=[origin for _, origin in loaded])
+    if training:
+        _untied_training(checkpoint, planned.plan, untie_training)
+    return planned
 
 
 def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet], untie: bool, *,
@@ -214,7 +302,8 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
 def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, out, *, max_shard_size, force,
            progress, on_note, lora_base: Plan | None = None, whole_training: bool = False,
            param_order_out: str | None = None, moved: Plan | None = None,
-           param_order_from_model: bool = False) -> FuseReport:
+           param_order_from_model: bool = False, dropped: bool = False,
+           untied: Sequence[Sequence[str]] = ()) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from.
@@ -222,10 +311,21 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     written (``training_output``; ``param_order_out`` its parameter order; ``moved`` the plan that
     made ``table`` when it is not ``new``, as for an unfuse, which records no steps). A Hugging
     Face Trainer folder written whole is a folder (``trainer_output``): the model, its
-    optimizer.pt rewritten, its other files copied."""
+    optimizer.pt rewritten, its other files copied. ``dropped``: the optimizer is left out on
+    purpose (no note; a PyTorch output is the training dict without it,
+    ``training_output.write_without_optimizer``); ``untied``: tie groups of trained parameters
+    the plan broke (``untie_training``); both go into the report's ``optimizer``."""
     out = os.fspath(out)
     training = checkpoint.training
-    if whole_training and isinstance(training, TrainerOptimizer):
+    trainer = isinstance(training, TrainerOptimizer)
+    # no step moves the state: a Trainer folder's optimizer file is copied as it is
+    unchanged = trainer and not new.groups and not dropped and output_kind(out) == "folder"
+    fate = None
+    if _has_optimizer(checkpoint):
+        state = "moved" if whole_training else "dropped" if dropped else "copied" if unchanged else "not written"
+        fate = {"where": training.optimizer_key, "state": state, "untied": [list(g) for g in untied],
+                "trajectory_changes": bool(untied)}
+    if whole_training and trainer:
         edited, companions = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
         report = write_trainer_folder(checkpoint, table, new if moved is None else moved, recorded, out,
@@ -234,20 +334,26 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
                                       max_shard_size=max_shard_size, force=force, progress=progress,
                                       on_note=on_note)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
-                          len(recorded.steps), model_ties(table))
-    if whole_training:
-        if max_shard_size is not None:
-            raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
+                          len(recorded.steps), model_ties(table), optimizer=fate)
+    # a training dict's tree (a Trainer folder without its optimizer is a model folder)
+    as_training = whole_training or (dropped and not trainer and writes_training(checkpoint, out))
+    if as_training and max_shard_size is not None:
+        raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
+    if as_training:
         edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        report = write_training(checkpoint, table, new if moved is None else moved, recorded, out, param_order_out=param_order_out,
-                                force=force, on_note=on_note)
+        made = new if moved is None else moved
+        if whole_training:
+            report = write_training(checkpoint, table, made, recorded, out, param_order_out=param_order_out,
+                                    force=force, on_note=on_note)
+        else:  # dropped: the training dict without its optimizer
+            report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
-                          len(recorded.steps), model_ties(table))
-    unchanged = isinstance(training, TrainerOptimizer) and not new.groups and output_kind(out) == "folder"
-    if training is not None and training.optimizer_key is not None and on_note is not None and not unchanged:
-        on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: fusectl "
-                "writes the model's tensors only, for now (plan shows the steps the state would take)")
+                          len(recorded.steps), model_ties(table), optimizer=fate)
+    if fate is not None and not dropped and not unchanged and on_note is not None:
+        on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: {out} holds "
+                "the model's tensors only (a PyTorch file, .pt, holds the whole training dict; "
+                f"{option('drop_optimizer')} leaves the state out on purpose)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
     if unchanged:  # no step moves the state: a Trainer folder's optimizer file is copied as it is
         companions.append(Companion(training.file, training.optimizer_key))
@@ -260,7 +366,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
                          progress=progress, on_note=on_note, stem=view.stem if view is not None else "model",
                          lora_base=lora_base)
     return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
-                      len(recorded.steps), table.ties())
+                      len(recorded.steps), table.ties(), optimizer=fate)
 
 
 def _edit_config(checkpoint: Checkpoint, plan: Plan, out: str, on_note) -> tuple[Plan, list[Companion]]:
@@ -309,7 +415,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          config: str | None = None, follow_symlinks: bool = False, key: str | None = None,
          progress: bool | None = False, on_note: Callable[[str], None] | None = None,
          param_order: str | None = None, param_order_out: str | None = None,
-         param_order_from_model: bool = False) -> FuseReport:
+         param_order_from_model: bool = False, drop_optimizer: bool = False,
+         untie_training: bool = False) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -320,6 +427,10 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     only. A Hugging Face Trainer folder (``checkpoint-N/``) written to a folder is written whole
     the same way: the fused model, ``optimizer.pt`` with its state moved, every other file copied
     byte for byte (``fusectl.trainer_output``).
+    only. With ``drop_optimizer`` no output holds the optimizer state — a PyTorch file is the
+    training dict without it (Lightning's: without ``optimizer_states`` and ``lr_schedulers``,
+    as ``save_weights_only`` writes), every other entry kept — and the rules the optimizer
+    cannot follow (numeric folds, a non-elementwise optimizer) apply.
 
     :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param rules: rules files or preset names, applied in order (at least one).
@@ -344,9 +455,14 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     :param param_order_from_model: take the input optimizer's order from the model's code
         (as :func:`plan`'s), and a Trainer folder's output order from the output
         ``config.json``'s model class (both need torch and transformers).
+    :param drop_optimizer: write a training checkpoint's model without its optimizer state, on
+        purpose (the report's ``optimizer.state`` says ``"dropped"``).
+    :param untie_training: as :func:`plan`'s: break ties of trained parameters, each member
+        getting its own copy of the one state (the report's ``optimizer.untied`` lists them).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
-        optimizer state cannot follow); a parameter ``param_order_out`` does not list; ComputeError when a step's data is invalid for its
+        optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out``
+        does not list; ComputeError when a step's data is invalid for its
         op; OutputError when ``out`` exists (without ``force``) or would overwrite an input.
 
     >>> import os, tempfile
@@ -357,34 +473,40 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     """
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
-    whole = writes_training(checkpoint, out)
+    _check_drop(checkpoint, drop_optimizer)
+    whole = writes_training(checkpoint, out) and not drop_optimizer
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
                         "whole (a PyTorch output of a training dict with an optimizer, a folder output of a Trainer "
                         f"folder); {os.fspath(out)} is not one, so leave it out")
-    planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole)
+    untie = untie or untie_training
+    planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole,
+                    untie_training=untie_training)
+    untied = _untied_training(checkpoint, planned.plan, untie_training) if whole else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
                          whole_training=whole, param_order_out=param_order_out,
-                         param_order_from_model=param_order_from_model), started)
+                         param_order_from_model=param_order_from_model, dropped=drop_optimizer,
+                         untied=untied), started)
 
 
 def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,
            untie: bool = False, write_ties_once: bool = False, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
-           on_note: Callable[[str], None] | None = None) -> FuseReport:
+           on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
+           untie_training: bool = False) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
     those the provenance records the rule making; the others are left alone (``on_note`` hears
     how many), and without a provenance every binding is a PlanError naming the tensor.
 
-    A fused training dict (one with an optimizer) unfused from its provenance to a PyTorch file
-    is written whole, as :func:`fuse` writes it: each inverse step lifted to the optimizer's
-    state, the parameters in the unfused table's order (a fused parameter's parts where it was:
-    the original order after a fuse in the default order), every other entry kept. A fused
+    A fused training dict (one with an optimizer) unfused to a PyTorch file, from its provenance
+    or with ``rules``, is written whole, as :func:`fuse` writes it: each inverse step lifted to
+    the optimizer's state, the parameters in the unfused table's order (a fused parameter's parts
+    where it was: the original order after a fuse in the default order), every other entry kept. A fused
     Hugging Face Trainer folder unfused to a folder is written whole as well, its optimizer's
     parameters in the original order fusectl recorded in its ``optimizer.pt``.
 
@@ -401,6 +523,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
     :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
     :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
+    :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
+    :param untie_training: as :func:`plan`'s: inverted rules may break ties of trained parameters.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
         tensors; OutputError as :func:`fuse`.
@@ -413,49 +537,41 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     """
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
+    _check_drop(checkpoint, drop_optimizer)
+    whole = writes_training(checkpoint, out) and not drop_optimizer
+    untie = untie or untie_training
     if rules:
         loaded = _load_with_origins(checkpoint, rules)
         history = _bound_history(checkpoint)
         rulesets, proof = invert_with_proof([r for r, _ in loaded], [o for _, o in loaded], history,
                                             str(checkpoint.path))
-        start = _prepared_table(checkpoint, rulesets, False, write_ties_once)
+        start = _prepared_table(checkpoint, rulesets, False, write_ties_once, training=whole)
         planned = _bind(checkpoint, start, rulesets, untie, proof=proof)
+        untied = _untied_training(checkpoint, planned.plan, untie_training) if whole else []
         table = run_plan(start, planned.plan, str(checkpoint.path), untie)
         history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
         lora_base = planned.lora_base
         if proof.left_alone and on_note is not None:
             on_note(f"left {len(proof.left_alone)} tensor(s) alone that the provenance says the rules did not "
                     f"make (first: {quote(proof.left_alone[0])})")
+        moved = None
     else:
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
             raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass {option('rules')} to invert "
                             "rules instead")
-        whole = writes_training(checkpoint, out)
-        start = checkpoint.training_table() if whole else checkpoint.table.copy()
+        start = _training_table(checkpoint) if whole else checkpoint.table.copy()
         if write_ties_once:
             start.store_once()
         inverse = checkpoint.provenance.plan.inverse()
         if whole:  # the optimizer state takes each inverse step with its parameter
-            inverse = _lifted(start, inverse, checkpoint.followers.riders(), untie)
+            inverse = lift_recorded(start, inverse, checkpoint.followers.riders(), untie)
+        untied = _untied_training(checkpoint, inverse, untie_training) if whole else []
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
-        lora_base = None
-        if whole:
-            return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
-                                 progress=progress, on_note=on_note, whole_training=True, moved=inverse), started)
+        lora_base, moved = None, inverse
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
-                         progress=progress, on_note=on_note, lora_base=lora_base), started)
-
-
-def _lifted(table: ParamTable, plan: Plan, riders, untie: bool) -> Plan:
-    """``plan`` with each group's steps lifted to the ``riders`` (an optimizer's state), each on
-    ``table`` as the groups before left it."""
-    current = table.copy()
-    groups = []
-    for group in plan.groups:
-        steps = riders.lift(group.steps, current, group.describe())
-        groups.append(apply_group(current, replace(group, steps=tuple(steps)), untie))
-    return Plan(tuple(groups))
+                         progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
+                         moved=moved, dropped=drop_optimizer, untied=untied), started)
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:
@@ -472,9 +588,14 @@ def _bound_history(checkpoint: Checkpoint) -> Plan | None:
 def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False,
             write_ties_once: bool = False, config: str | None = None, follow_symlinks: bool = False,
             key: str | None = None, progress: bool | None = False,
-            on_note: Callable[[str], None] | None = None) -> FuseReport:
+            on_note: Callable[[str], None] | None = None, param_order: str | None = None,
+            drop_optimizer: bool = False) -> FuseReport:
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
+
+    A training dict with an optimizer written to a PyTorch file is written whole, as
+    :func:`fuse` writes it (its optimizer's ids numbered 0..n-1 in the state dict's order);
+    other outputs, and any output with ``drop_optimizer``, hold the model only.
 
     :param ckpt: the checkpoint: a path (any format fusectl reads: PyTorch files and
         ``pytorch_model*.bin`` folders, read without torch; an ONNX model's initializers;
@@ -489,6 +610,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
     :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
     :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
+    :param param_order: as :func:`plan`'s: the optimizer's parameter order, where shapes do not prove it.
+    :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
     :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
         no ``key``); OutputError as :func:`fuse`.
@@ -502,13 +625,17 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     True
     """
     started = time.monotonic()
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
-    table = checkpoint.table.copy()
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
+    _check_drop(checkpoint, drop_optimizer)
+    # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
+    whole = writes_training(checkpoint, out) and not drop_optimizer and \
+        not isinstance(checkpoint.training, TrainerOptimizer)
+    table = _training_table(checkpoint) if whole else checkpoint.table.copy()
     if write_ties_once:
         table.store_once()
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
-                         progress=progress, on_note=on_note), started)
+                         progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer), started)
 
 
 def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,
@@ -611,13 +738,17 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
            shapes: Mapping[str, tuple[int, ...]] | None = None, dims: Mapping[str, int] | None = None,
            inputs: Mapping | str | os.PathLike | None = None, seed: int = 0, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, report: str | None = None,
-           junit: str | None = None, on_note: Callable[[str], None] | None = None):
+           junit: str | None = None, on_note: Callable[[str], None] | None = None, param_order: str | None = None,
+           param_order_out: str | None = None):
     """Prove ``candidate`` computes what ``reference`` computes.
 
     Two ``.onnx`` models: both run on onnxruntime with the same inputs and every output is
     compared. Two checkpoints: the candidate's provenance (or ``rules``) is replayed on the
     reference and compared tensor by tensor, the inverse is checked, ties are checked, and
-    each step kind runs once per shape as a small onnxruntime computation. A graph and a
+    each step kind runs once per shape as a small onnxruntime computation. A training
+    checkpoint's optimizer state is replayed too: each state tensor against the plan's steps
+    on the reference's, the parameters, param groups and numbers (``.optimizer`` of the
+    report; a candidate that dropped it passes with ``"status": "dropped"``). A graph and a
     checkpoint are refused (export the checkpoint to a graph first).
 
     :param reference: the original: a ``.onnx`` path, a checkpoint path or an opened
@@ -640,6 +771,10 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     :param report: write the JSON report here (never over an input).
     :param junit: write JUnit XML here, for CI (never over an input).
     :param on_note: called with each note that is not an error.
+    :param param_order: checkpoints only: the reference's optimizer parameter order, where the
+        shapes do not prove it (as :func:`plan`'s).
+    :param param_order_out: checkpoints only: the candidate's (the fused model's
+        ``named_parameters()`` order, as :func:`fuse` takes it).
     :returns: a :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether
         the candidate computes the same, ``.to_json()`` is the ``--report`` object and
         ``.to_text()`` what ``verify`` prints.
@@ -670,6 +805,10 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     if any(graphs) and key is not None:
         raise VerifyError(f"{option_name('key')} selects a state dict inside a PyTorch checkpoint; it does not "
                           "apply to .onnx models")
+    order = "param_order" if param_order is not None else "param_order_out" if param_order_out is not None else None
+    if any(graphs) and order is not None:
+        raise VerifyError(f"{option_name(order)} orders a training checkpoint's optimizer; it does not apply to "
+                          ".onnx models")
     if all(graphs):
         reference, candidate = os.fspath(reference), os.fspath(candidate)
         inputs_path = os.fspath(inputs) if isinstance(inputs, (str, os.PathLike)) else None
@@ -687,8 +826,8 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
         if used:
             raise VerifyError(f"{option_name(used[0])} applies to two .onnx models; with checkpoints, verify "
                               "makes its own inputs")
-        ref = _checkpoint(reference, config, follow_symlinks, _key_for(reference, key))
-        cand = _checkpoint(candidate, config, follow_symlinks, _key_for(candidate, key))
+        ref = _checkpoint(reference, config, follow_symlinks, _key_for(reference, key), param_order)
+        cand = _checkpoint(candidate, config, follow_symlinks, _key_for(candidate, key), param_order_out)
         if key is not None and not {ref.format, cand.format} & {"pytorch"}:
             raise VerifyError(f"{option_name('key')} selects a state dict inside a PyTorch file; neither "
                               f"{printable(_label(reference))} nor {printable(_label(candidate))} is one, "

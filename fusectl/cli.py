@@ -175,14 +175,14 @@ def _follow_symlinks() -> bool:
     return bool(click.get_current_context().find_root().meta.get("fusectl.follow_symlinks"))
 
 
-def _forward_plan(ckpt, rules, config_path, untie, adopt, param_order=None, from_model=False) -> api.Planned:
-    """Bind RULES to CKPT (a usage error without rules)."""
+def _forward_plan(ckpt, rules, config_path, untie, adopt, param_order=None, **training) -> api.Planned:
+    """Bind RULES to CKPT (a usage error without rules); ``training``: --param-order-from-model,
+    --drop-optimizer and --untie-training."""
     if not rules:
         raise click.UsageError("give at least one -r RULES (a rules file or a preset name)")
     extra = {"param_order": param_order} if param_order else {}
-    if from_model:
-        extra["param_order_from_model"] = True
-    return _api().plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs(), **extra)
+    return _api().plan(ckpt, rules, config=config_path, untie=untie, detect_ties=adopt, **_inputs(), **extra,
+                       **training)
 
 
 rules_option = click.option("-r", "--rules", "rules", multiple=True, metavar="RULES",
@@ -192,6 +192,14 @@ config_option = click.option("--config", "config_path", type=click.Path(dir_okay
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 untie_option = click.option("--untie", is_flag=True,
                             help="Allow rules that break a tie (other members become copies).")
+untie_training_option = click.option(
+    "--untie-training", "untie_training", is_flag=True,
+    help="Like --untie, also in a training checkpoint: each untied member gets a copy of the one optimizer "
+         "state, and trains on its own gradient instead of the members' summed one (another trajectory).")
+drop_option = click.option(
+    "--drop-optimizer", "drop_optimizer", is_flag=True,
+    help="Write a training checkpoint without its optimizer state, on purpose (a .pt output: the training "
+         "dict without it, other entries kept); folds and rules the optimizer cannot follow then apply.")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
 order_option = click.option(
@@ -240,14 +248,19 @@ def inspect_cmd(ckpt, as_json, detect, config_path, param_order, param_order_fro
 @config_option
 @order_option
 @model_order_option
-def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path, param_order, param_order_from_model):
+@untie_training_option
+@drop_option
+def plan_cmd(ckpt, rules, as_json, untie, adopt, config_path, param_order, param_order_from_model, untie_training,
+             drop_optimizer):
     """Show what RULES would do to CKPT, from headers alone.
 
     \b
     Example:
       fusectl plan fixtures/tiny-llama-gqa -r llama-qkv --json
     """
-    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt, param_order, param_order_from_model), as_json)
+    _emit(_forward_plan(ckpt, rules, config_path, untie, adopt, param_order,
+                        param_order_from_model=param_order_from_model, untie_training=untie_training,
+                        drop_optimizer=drop_optimizer), as_json)
 
 
 class SizeType(click.ParamType):
@@ -312,8 +325,10 @@ def with_output_options(fn):
                    "folder): a JSON list of the fused model's parameters in its order "
                    "([n for n, _ in new_model.named_parameters()]); the optimizer's ids follow it.")
 @model_order_option
+@untie_training_option
+@drop_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out, param_order_from_model):
+             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -325,7 +340,8 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
     _emit(_api().fuse(ckpt, rules, out, max_shard_size=max_shard_size, force=force, untie=untie, detect_ties=adopt,
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
-                   param_order_out=param_order_out, param_order_from_model=param_order_from_model), as_json)
+                   param_order_out=param_order_out, param_order_from_model=param_order_from_model,
+                   untie_training=untie_training, drop_optimizer=drop_optimizer), as_json)
 
 
 @command(main, "unfuse")
@@ -337,7 +353,10 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @write_once_option
 @config_option
 @json_option
-def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json):
+@untie_training_option
+@drop_option
+def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
+               untie_training, drop_optimizer):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -346,7 +365,8 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     """
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
-                     progress=False if quiet else None, on_note=_note), as_json)
+                     progress=False if quiet else None, on_note=_note, untie_training=untie_training,
+                     drop_optimizer=drop_optimizer), as_json)
 
 
 @command(main, "convert")
@@ -356,19 +376,24 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 @write_once_option
 @config_option
 @json_option
-def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json):
+@order_option
+@drop_option
+def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json, param_order,
+                drop_optimizer):
     """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
 
     Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
     without torch), an ONNX model's initializers, safetensors, npz. Tensors stored as file
-    ranges are copied without decoding; shared storages and ties are written once.
+    ranges are copied without decoding; shared storages and ties are written once. A training
+    dict written to a PyTorch file keeps its optimizer state and every other entry.
 
     \b
     Example:
       fusectl convert training.pth --key model_state_dict -o model.safetensors
     """
     _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
-                      config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note), as_json)
+                      config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note,
+                      param_order=param_order, drop_optimizer=drop_optimizer), as_json)
 
 
 @command(main, "map")
@@ -541,14 +566,21 @@ class SeedType(click.ParamType):
 @click.option("--junit", "junit_path", type=click.Path(), default=None,
               help="Write JUnit XML here, for CI (never over an input).")
 @config_option
+@order_option
+@click.option("--param-order-out", "param_order_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="As --param-order, for CANDIDATE's optimizer (the fused model's named_parameters() order), "
+                   "where the shapes do not prove it.")
 def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
-               report_path, junit_path, config_path):
+               report_path, junit_path, config_path, param_order, param_order_out):
     """Prove CANDIDATE computes what REFERENCE computes; exit 1 when it does not.
 
     Two .onnx models: both run on onnxruntime with the same inputs and every output is
     compared. Two checkpoints: the candidate's provenance (or -r RULES) is replayed on the
     reference and compared tensor by tensor, the inverse is checked, ties are checked, and each
-    step kind runs once per shape as a small onnxruntime computation.
+    step kind runs once per shape as a small onnxruntime computation. A training checkpoint's
+    optimizer state is replayed too (each state tensor against the plan's steps on the
+    reference's, numbers and param groups equal); --param-order and --param-order-out give the
+    two optimizers' parameter orders where the shapes do not prove them.
 
     \b
     Example:
@@ -565,7 +597,8 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             parsed[option][name] = value
     report = _api().verify(reference, candidate, rules=rules, provider=provider, atol=atol, rtol=rtol,
                         shapes=parsed["--input"], dims=parsed["--dim"], inputs=inputs_file, seed=seed,
-                        config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note)
+                        config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note,
+                        param_order=param_order, param_order_out=param_order_out)
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)

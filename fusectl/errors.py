@@ -79,6 +79,8 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     # api name: (flag, kind, placeholder)
     "rules": ("-r", _REPEATED, "RULES"),
     "untie": ("--untie", _FLAG, ""),
+    "untie_training": ("--untie-training", _FLAG, ""),
+    "drop_optimizer": ("--drop-optimizer", _FLAG, ""),
     "detect_ties": ("--detect-ties", _FLAG, ""),
     "write_ties_once": ("--write-ties-once", _FLAG, ""),
     "follow_symlinks": ("--follow-symlinks", _FLAG, ""),

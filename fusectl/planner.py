@@ -66,6 +66,18 @@ def bind_and_lift(table: ParamTable, followers: FollowerSet, rulesets: Sequence[
     return Bound(plan, result, base)
 
 
+def lift_recorded(table: ParamTable, plan: Plan, riders: Riders, untie: bool = True) -> Plan:
+    """A plan made without the ``riders`` (a provenance, its inverse: the model's steps) with
+    each group's steps lifted to them, each on ``table`` as the groups before left it: what an
+    optimizer's state takes when ``unfuse`` replays a recorded plan, or ``verify`` checks it."""
+    current = table.copy()
+    groups = []
+    for group in plan.groups:
+        steps = riders.lift(group.steps, current, group.describe())
+        groups.append(apply_group(current, replace(group, steps=tuple(steps)), untie))
+    return Plan(tuple(groups))
+
+
 def make_plan(table: ParamTable, rulesets: Sequence[RuleSet], untie: bool = False, riders: Riders | None = None, *,
               origins: Sequence[RuleOrigin] | None = None,
               proof: BindingProof | None = None) -> tuple[Plan, ParamTable]:

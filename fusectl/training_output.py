@@ -38,7 +38,7 @@ from .followers.optimizer import STATE_SEP
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.optimizer_state import node_at, read_order, training_tree, written_optimizer
+from .io.optimizer_state import LIGHTNING_KEY, node_at, read_order, training_tree, written_optimizer
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
@@ -71,17 +71,7 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
     order = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
     moved = moved_optimizer(checkpoint, table, plan, order=order, order_source=param_order_out)
     root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer)
-    model_table = model_only(table)
-    shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
-    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata}
-    written = {id(t): t for t in tree_tensors(root)}
-    from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
-    with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
-        write_torch_file(temp, root, metadata=metadata)
-    nbytes = sum(t.spec.nbytes for t in written.values())
-    copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
-    return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),
-                       copied, nbytes)
+    return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
 
 
 @dataclass(frozen=True)
@@ -108,18 +98,7 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     training = checkpoint.training
     state, mapping = checkpoint.optimizer_mapped
     model_names = [n for n in table.entries if STATE_SEP not in n]
-    inputs = list(positions) if positions is not None else list(checkpoint.table.entries)
-    listed = set(inputs)
-    inputs += [n for n in checkpoint.table.entries if n not in listed]
-    origins = _origins(inputs, plan)
-    position = {n: i for i, n in enumerate(inputs)}
-
-    def first_part(name: str) -> int:
-        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
-
-    rank = {n: i for i, n in enumerate(order or ())}  # a given order orders the state dict as well
-    made_at = {n: i for i, n in enumerate(model_names)}
-    model_order = sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n]))
+    model_order, origins, position = _model_order(checkpoint, model_names, plan, order or [], positions)
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
 
     # each output parameter of the optimizer: the unique name, its group, its input ids
@@ -140,18 +119,93 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
         found = {group_of[p] for p in parts}
         if len(found) > 1:
             raise PlanError(f"{printable(checkpoint.path)}: {quote(name)} is made of parameters of two optimizer "
-                            f"param groups ({quote(parts[0])} and another); the optimizer cannot hold it")
+                            f"param groups ({quote(parts[0])} and another); the optimizer cannot hold it (pass "
+                            f"{option('drop_optimizer')} to write the model without its optimizer state)")
         groups[found.pop()].append(name)
     if order is not None:
         groups = _ordered(groups, order, model_names, order_source)
 
-    written_groups = [[(name, id_of[members[name][0]], members[name] == [name],
-                        _state_of(name, members[name], state, id_of, table, checkpoint.path)) for name in group]
+    seen: set[int] = set()
+
+    def state_of(name: str) -> dict:
+        entry = _state_of(name, members[name], state, id_of, table, checkpoint.path)
+        for key, value in entry.items():  # untied members: each its own copy of the one state
+            if isinstance(value, LazyTensor):
+                entry[key] = _Copy(value) if id(value) in seen else value
+                seen.add(id(value))
+        return entry
+
+    written_groups = [[(name, id_of[members[name][0]], members[name] == [name], state_of(name)) for name in group]
                       for group in groups]
     optimizer = training.tree() if isinstance(training, TrainerOptimizer) else \
         node_at(training.tree(), training.optimizer_key)
     new_optimizer = written_optimizer(state, optimizer, written_groups)  # in the form it was read in
     return MovedOptimizer(model, new_optimizer, [n for group in groups for n in group])
+
+
+def write_without_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
+                            force: bool = False, on_note: Callable[[str], None] | None = None) -> WriteReport:
+    """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its model)
+    as its model and its optimizer left out (``--drop-optimizer``): the entry at its optimizer
+    key, or Lightning's ``optimizer_states`` with ``lr_schedulers``, as Lightning's
+    ``save_weights_only`` leaves them out; every other entry kept. The model in the state dict's
+    order, each fused tensor where its first part was."""
+    training = checkpoint.training
+    model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
+    model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
+    root = training_tree(training.tree(), training.model_key, model, None, None)
+    parts = training.optimizer_key.split(".")
+    if len(parts) >= 2 and parts[-2] == LIGHTNING_KEY and parts[-1].isdigit():
+        root = _without(root, parts[:-2], {LIGHTNING_KEY, "lr_schedulers"})
+    else:
+        root = _without(root, parts[:-1], {parts[-1]})
+    return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
+
+
+def _without(tree, where: list[str], keys: set[str]):
+    """``tree`` with the entries ``keys`` of the dict at the dotted path ``where`` left out."""
+    if not where:
+        return {k: v for k, v in tree.items() if str(k) not in keys}
+    if isinstance(tree, (list, tuple)):
+        items = list(tree)
+        items[int(where[0])] = _without(items[int(where[0])], where[1:], keys)
+        return type(tree)(items)
+    return {k: (_without(v, where[1:], keys) if str(k) == where[0] else v) for k, v in tree.items()}
+
+
+def _model_order(checkpoint: Checkpoint, model_names: list[str], plan: Plan, order: list[str],
+                 positions: list[str] | None = None):
+    """(the output's model tensors in order, each model tensor's input names, each input name's
+    position): ``order`` first (a given parameter order orders the state dict as well), then
+    ``positions`` (default: the state dict's order), a fused tensor where its first part was."""
+    inputs = list(positions) if positions is not None else list(checkpoint.table.entries)
+    listed = set(inputs)
+    inputs += [n for n in checkpoint.table.entries if n not in listed]
+    origins = _origins(inputs, plan)
+    position = {n: i for i, n in enumerate(inputs)}
+
+    def first_part(name: str) -> int:
+        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
+
+    rank = {n: i for i, n in enumerate(order)}
+    made_at = {n: i for i, n in enumerate(model_names)}
+    return sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n])), origins, position
+
+
+def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, recorded: Plan, out: str, force: bool,
+                on_note) -> WriteReport:
+    """Write the training tree ``root`` whose model is ``table``'s, ``recorded`` as its provenance."""
+    model_table = model_only(table)
+    shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
+    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata}
+    written = {id(t): t for t in tree_tensors(root)}
+    from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
+    with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
+        write_torch_file(temp, root, metadata=metadata)
+    nbytes = sum(t.spec.nbytes for t in written.values())
+    copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
+    return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),
+                       copied, nbytes)
 
 
 def model_only(table: ParamTable) -> ParamTable:
@@ -167,10 +221,14 @@ def model_ties(table: ParamTable) -> list[list[str]]:
 
 
 def model_steps(plan: Plan) -> Plan:
-    """``plan`` without the optimizer state's steps: what the provenance records (the state
-    follows its parameters by rule; a replay or an inverse acts on the model's tensors)."""
-    return Plan(tuple(replace(g, steps=tuple(s for s in g.steps
-                                             if not any(STATE_SEP in n for n in (*s.inputs, *s.outputs))))
+    """``plan`` without the optimizer state's steps and ties: what the provenance records (the
+    state follows its parameters by rule; a replay or an inverse acts on the model's tensors)."""
+    def model(names) -> bool:
+        return not any(STATE_SEP in n for n in names)
+
+    return Plan(tuple(replace(g, steps=tuple(s for s in g.steps if model((*s.inputs, *s.outputs))),
+                              untied=tuple(m for m in g.untied if model(m)),
+                              untied_stored=tuple(m for m, u in zip(g.untied_stored, g.untied) if model(u)))
                       for g in plan.groups))
 
 
@@ -228,6 +286,24 @@ def _state_of(name: str, parts: list[str], state, id_of: Mapping, table: ParamTa
             raise PlanError(f"{printable(path)}: the parts of {quote(name)} hold different state keys "
                             f"({quote(parts[0])} and {quote(p)}); one fused parameter keeps one state")
     return entry
+
+
+class _Copy(LazyTensor):
+    """Another tensor with ``source``'s data: written as its own storage (an untied member's
+    state, which torch's optimizer must not update in place with another parameter's)."""
+
+    __slots__ = ("source", "spec")
+
+    def __init__(self, source: LazyTensor):
+        self.source, self.spec = source, source.spec
+
+    def read(self):
+        """The source's data."""
+        return self.source.read()
+
+    def byte_ranges(self):
+        """The source's file ranges (copied without decoding)."""
+        return self.source.byte_ranges()
 
 
 def tree_tensors(tree):

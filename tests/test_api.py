@@ -115,7 +115,7 @@ def test_fuse_report_json_and_text(cli, tmp_path):
     data = report.to_json()
     cli_data = ok(cli("fuse", LLAMA, "-r", "llama-qkv", "-o", tmp_path / "fused2", "--json")).json()
     assert list(data) == list(cli_data) == ["output", "tensors", "unique_bytes", "written_bytes", "copied_bytes",
-                                            "steps", "ties", "seconds"]
+                                            "steps", "ties", "seconds", "optimizer"]
     assert {k: v for k, v in data.items() if k not in ("output", "seconds")} == \
         {k: v for k, v in cli_data.items() if k not in ("output", "seconds")}
     assert data["output"] == str(out) and report.seconds >= 0

@@ -22,9 +22,10 @@ does not know. Ops that compute on values (folds) refuse through ``Op.lift``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, NoReturn, Sequence
 
-from ..errors import PlanError, quote
+from ..errors import ComputeError, PlanError, option, quote
 from ..ops import Op
 from ..ops.layout import Drop, MergeEqual, Rename, Replicate
 from ..steps import Step
@@ -81,6 +82,23 @@ def recognise(keys: set, hypers: Sequence[dict]) -> tuple[str, str | None]:
                            "(it moves SGD, Adam/AdamW, NAdam, RAdam, Adamax, Adagrad, Adadelta, RMSprop, Rprop, "
                            "ASGD and Lion state)")
     return "unknown", ("its state keys and hyperparameters match no optimizer fusectl knows to be elementwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeEqualState(MergeEqual):
+    """``merge_equal`` of a per-parameter number the optimizer holds as a tensor (``step``): the
+    parts of one fused parameter must hold the same value. Its value is data, so this is checked
+    when the step runs; a ComputeError in the optimizer's words when they differ."""
+
+    def apply(self, arrays):
+        try:
+            return super().apply(arrays)
+        except ComputeError:
+            values = ", ".join(repr(a.tolist()) for a in arrays)
+            raise ComputeError(f"the parts of one fused parameter hold the values {values}; one fused parameter "
+                               "keeps one, so they must be equal (were the parts trained for different steps?); "
+                               f"pass {option('drop_optimizer')} to write the model without its optimizer "
+                               "state") from None
 
 
 class OptimizerFollower:
@@ -140,9 +158,8 @@ class OptimizerFollower:
     def lift(self, step: Step, group: Sequence[Step], table: ParamTable, describe: str) -> list[Step]:
         """The steps the optimizer state of ``step``'s inputs takes (none when they have none in
         ``table``); a PlanError naming the rule, the parameter and the optimizer otherwise."""
-        present = [self.claims(n, table) for n in step.inputs]
-        if not any(present) and not any(self.numbers.get(n) for n in step.inputs):
-            return []
+        if not any(self.claims(n, table) for n in step.inputs):
+            return []  # a table of the model alone (its optimizer not written), or untrained parameters
         lift = OptimizerLift(self, step, table, describe)
         if self.why is not None:
             lift.refuse(f"{self.name} is not elementwise: {self.why}")
@@ -187,7 +204,8 @@ class OptimizerLift:
             raise PlanError(f"{self.describe}: {step.inputs[0]!r} is in param group {groups[0]} and {step.inputs[i]!r} "
                             f"in param group {groups[i]} of the optimizer ({f.name}); one fused tensor has one "
                             "learning rate and decay, so its parts must sit in one group — put them in one "
-                            "group before saving, or leave them out of the rule")
+                            f"group before saving, leave them out of the rule, or pass {option('drop_optimizer')} "
+                            "to write the model without its optimizer state")
         self.group = groups[0]
         numbers = [f.numbers.get(n, {}) for n in step.inputs]
         for key in dict.fromkeys(k for n in numbers for k in n):
@@ -196,7 +214,8 @@ class OptimizerLift:
                 i = next(i for i, v in enumerate(values) if repr(v) != repr(values[0]))
                 raise PlanError(f"{self.describe}: optimizer state {key!r} is {values[0]!r} for {step.inputs[0]!r} "
                                 f"but {values[i]!r} for {step.inputs[i]!r}; the parts of one fused tensor take one "
-                                "value, so they must be equal (were the parts trained for different steps?)")
+                                "value, so they must be equal (were the parts trained for different steps?); pass "
+                                f"{option('drop_optimizer')} to write the model without its optimizer state")
             self.number_values[key] = values[0]
 
     # --- what an op may say --------------------------------------------------------------
@@ -204,9 +223,9 @@ class OptimizerLift:
     def refuse(self, why: str) -> NoReturn:
         keys = ", ".join(self.follower.keys)
         raise PlanError(f"{self.describe}: {self.step.inputs[0]!r} has optimizer state ({self.follower.name}: "
-                        f"{keys}); its {self.step.op.kind} step cannot carry it exactly: {why}. Convert the "
-                        "model without its optimizer state (save model.state_dict() alone), or leave this "
-                        "tensor out of the rule")
+                        f"{keys}); its {self.step.op.kind} step cannot carry it exactly: {why}. Pass "
+                        f"{option('drop_optimizer')} to write the model without its optimizer state, or leave "
+                        "this tensor out of the rule")
 
     def rename(self) -> None:
         self._same()
@@ -265,7 +284,7 @@ class OptimizerLift:
                     if i != o:
                         self._add(Rename(), [i], [o])
             elif n_out == 1:
-                self._add(MergeEqual(), names, outs)
+                self._add(MergeEqualState(), names, outs)
             elif n_in == 1:
                 self._add(Replicate(parts=n_out), names, outs)
             else:

@@ -8,7 +8,10 @@
    the unfused parameters vs the layer on the fused ones (``probes``);
 5. with the candidate's provenance as the plan, each recorded group re-derived from the rule
    it names (``rule_checks``): a provenance whose steps its rules do not give fails, however
-   consistent its steps and data are with each other.
+   consistent its steps and data are with each other;
+6. a training checkpoint's optimizer state: the plan's steps lifted to the reference's state,
+   each state tensor compared as in 1 (kind ``state``), the parameters, param groups and
+   numbers checked (``optimizer_check``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
 from .compare import check_tolerance, compare
 from .adapter_probes import adapter_probes
+from .optimizer_check import optimizer_replay
 from .probes import run_probes
 from .report import Check, VerifyReport
 from .runner import check_seed
@@ -137,6 +141,12 @@ def verify_checkpoints(
         back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
         report.checks += compare_tables("inverse", reference.table, back, atol, rtol, proven=proven)
     report.checks += tie_checks(expected, candidate.table)
+    replay = optimizer_replay(reference, candidate, plan)
+    if replay is not None:
+        if replay.tables is not None:
+            report.checks += compare_tables("state", *replay.tables, atol, rtol)
+        report.checks += replay.checks
+        report.optimizer = replay.summary(report.checks)
     if recorded:
         report.checks += rule_checks(reference, plan, adapter=lora_base is not None)
     probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,

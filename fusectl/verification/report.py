@@ -28,7 +28,7 @@ def _would_pass(m: Comparison) -> str:
 class Check:
     """One thing verify checked: a model output, a tensor, the inverse, the ties, a probe."""
 
-    kind: str  # "output" | "tensor" | "inverse" | "ties" | "probe"
+    kind: str  # "output" | "tensor" | "inverse" | "ties" | "rules" | "state" | "optimizer" | "probe"
     name: str
     passed: bool
     comparison: Comparison | None = None
@@ -54,6 +54,8 @@ class VerifyReport:
     seed: int = 0
     inputs: list[dict] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    # a training checkpoint's optimizer state as checked (``optimizer_check.OptimizerReplay.summary``)
+    optimizer: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -72,13 +74,14 @@ class VerifyReport:
             "passed": self.passed,
             "failed": [c.name for c in self.checks if not c.passed],
             "checks": [c.to_json() for c in self.checks],
+            "optimizer": self.optimizer,
         }
 
     def to_text(self) -> str:
         where = f" on {self.provider}" if self.provider else ""
         precision = " (bf16 upcast to float32)" if self.precision == "fp32-upcast" else ""
         lines = [f"verify {self.reference} -> {self.candidate} ({self.mode}){where}{precision}, seed {self.seed}"]
-        summarized = {"tensor", "inverse"}
+        summarized = {"tensor", "inverse", "state"}
         for kind in sorted(summarized):
             passed = [c for c in self.checks if c.kind == kind and c.passed]
             if passed:
