@@ -67,28 +67,3 @@ def test_python_dash_m_fails_with_exit_2_and_no_traceback(tmp_path):
     assert done.stdout == ""
     assert done.stderr.startswith("error: ") and str(bad) in done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-
-
-def _modules_imported(*args: str) -> set[str]:
-    """The modules a fresh ``python -X importtime ARGS`` imports (read from its stderr)."""
-    done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-
-
-@pytest.mark.parametrize("args", [("-m", "fusectl", "--version"), ("-m", "fusectl", "--help"),
-                                  ("-c", "import fusectl; fusectl.__version__")])
-def test_version_help_and_the_package_face_import_only_what_they_use(args):
-    """A command pays only for the imports it uses: the API (numpy, ml_dtypes, the readers) is
-    imported when a command runs, not for --version, --help or ``import fusectl``."""
-    imported = _modules_imported(*args)
-    assert "fusectl" in imported
-    heavy = {"numpy", "ml_dtypes", "fusectl.api", "fusectl.dtypes", "onnx", "onnxruntime", "onnx_ir"} & imported
-    assert heavy == set()
-
-
-def test_a_command_still_imports_the_api_when_it_runs():
-    imported = _modules_imported("-m", "fusectl", "rules", "list")
-    assert "fusectl.api" in imported
-    assert "onnx" not in imported and "onnxruntime" not in imported

@@ -1,0 +1,72 @@
+"""A command pays only for the imports it uses (issue 22): read from a fresh interpreter's
+``python -X importtime``, by module name, never by time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FIXTURES
+
+ROOT = FIXTURES.parent
+ONNX = {"onnx", "onnxruntime", "onnx_ir"}
+
+
+def _modules_imported(*args: str) -> set[str]:
+    """The modules a fresh ``python -X importtime ARGS`` imports (read from its stderr); it must exit 0."""
+    done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("args", [("-m", "fusectl", "--version"), ("-m", "fusectl", "--help"),
+                                  ("-m", "fusectl", "inspect", "--help"), ("-m", "fusectl", "fuse", "--help"),
+                                  ("-c", "import fusectl; fusectl.__version__")], ids=" ".join)
+def test_version_help_and_the_package_face_import_only_what_they_use(args):
+    """The API (numpy, ml_dtypes, the readers) is imported when a command runs, not for
+    --version, --help or ``import fusectl``."""
+    imported = _modules_imported(*args)
+    assert "fusectl" in imported
+    heavy = {"numpy", "ml_dtypes", "fusectl.api", "fusectl.dtypes", *ONNX} & imported
+    assert heavy == set()
+
+
+# light commands on checkpoints without a bf16/fp8 tensor: neither onnx nor ml_dtypes
+FLOAT32 = [
+    ("rules", "list"),
+    ("rules", "show", "llama-qkv"),
+    ("inspect", "fixtures/tiny-llama-gqa"),
+    ("inspect", "fixtures/tiny-llama-tied.io.npz"),
+    ("inspect", "fixtures/tied-embeddings.pt"),
+    ("plan", "fixtures/tiny-llama-gqa", "-r", "llama-qkv", "-r", "llama-gate-up"),
+    ("inspect", "fixtures/tiny-llama-gqa-bin"),
+    ("plan", "fixtures/tiny-llama-gqa-bin", "-r", "llama-qkv"),
+]
+# the same commands on bf16 and fp8 checkpoints read headers only: they need no ml_dtypes type either
+LOW_PRECISION = [
+    ("inspect", "fixtures/tiny-llama-gqa-bf16-sharded"),
+    ("inspect", "fixtures/fp8-llama"),
+    ("plan", "fixtures/tiny-llama-gqa-bf16-sharded", "-r", "llama-qkv"),
+    ("plan", "fixtures/fp8-llama", "-r", "fp8-dequant"),
+]
+
+
+@pytest.mark.parametrize("command", FLOAT32 + LOW_PRECISION, ids=" ".join)
+def test_light_commands_import_neither_onnx_nor_ml_dtypes(command):
+    imported = _modules_imported("-m", "fusectl", *command)
+    assert "fusectl.api" in imported  # the command ran
+    assert (ONNX | {"ml_dtypes"}) & imported == set()
+
+
+def test_ml_dtypes_is_imported_when_a_bf16_tensor_is_read():
+    """The other side of the boundary: reading bf16 data names ml_dtypes' type, which imports it."""
+    script = ("import sys, fusectl; c = fusectl.open_checkpoint('fixtures/tiny-llama-gqa-bf16-sharded');"
+              "before = 'ml_dtypes' in sys.modules;"
+              "data = c.table['model.norm.weight'].read();"
+              "print(before, 'ml_dtypes' in sys.modules, data.dtype)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "bfloat16"]
