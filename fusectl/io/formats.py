@@ -4,7 +4,8 @@ writer. ``open_checkpoint`` and the output side (``write.write_table``) know for
 through these rows.
 
 A file is recognised by its suffix where the suffix decides (``.safetensors``, ``.npz``,
-``.onnx``, the index files); any other file is a PyTorch file when its content is one, under any
+``.onnx``, MXNet's ``.params`` and ``.nd``, the index files); any other file is an MXNet NDArray
+file when it starts with the list magic, else a PyTorch file when its content is one, under any
 name (:mod:`fusectl.io.sniff`). A folder is read through the file of the first row, in
 ``folder_rank`` order, that it holds exactly one of. An output path is written by the row whose
 file output ends it, else as a folder.
@@ -14,8 +15,8 @@ writer if it is written) and one row below.
 
 >>> format_of("model.safetensors").name, format_of("checkpoint.pth.tar").name
 ('safetensors', 'pytorch')
->>> output_kind("out.npz"), output_kind("model.pt"), output_kind("out/")
-('npz', 'pytorch', 'folder')
+>>> output_kind("out.npz"), output_kind("model.pt"), output_kind("model.params"), output_kind("out/")
+('npz', 'pytorch', 'mxnet', 'folder')
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable
 
 from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
+from .mxnet_params import SUFFIXES as MXNET_SUFFIXES, MXNetWriter, is_mxnet, read_mxnet
 from .npz_file import NpzWriter, read_npz
 from .output import FolderWriter, Output, single_file
 from .safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
@@ -38,7 +40,9 @@ class Format:
     """One format: ``name`` (what ``Checkpoint.format`` says), ``suffixes`` (file names that end
     so are this format; for a format ``told_by`` content, only the names a folder is searched
     for), ``read`` (its reader), ``told_by`` (whether a file holds this format, for a format
-    recognised by content under any name), ``folder_rank`` (where it comes when a folder is
+    recognised by content under any name), ``sniffed`` (whether a file holds this format, for a
+    format its suffixes decide that is also recognised by content under other names; tried
+    before ``told_by``), ``folder_rank`` (where it comes when a folder is
     read: lower first; None: never picked in a folder), ``listed_as`` (how a folder holding no
     weights lists it), ``takes_key`` (``key`` selects a state dict) and ``output`` (how it is
     written; None: it is not)."""
@@ -47,6 +51,7 @@ class Format:
     suffixes: tuple[str, ...]
     read: Reader
     told_by: Callable[[str], bool] | None = None
+    sniffed: Callable[[str], bool] | None = None
     folder_rank: int | None = None
     listed_as: str | None = None
     takes_key: bool = False
@@ -91,6 +96,8 @@ FORMATS: tuple[Format, ...] = (
            output=Output(single_file(_lazy_writer("torch_writer", "TorchWriter")))),
     Format("pytorch-sharded", (TORCH_INDEX_SUFFIX,), _lazy("torch_file", "read_pytorch_index"), folder_rank=3),
     Format("onnx", (".onnx",), _lazy("onnx_file", "read_onnx")),
+    Format("mxnet", MXNET_SUFFIXES, read_mxnet, sniffed=is_mxnet, folder_rank=5, listed_as="MXNet (.params, .nd)",
+           output=Output(single_file(MXNetWriter))),
 )
 
 # files of formats fusectl does not read that hold weights all the same
@@ -118,11 +125,18 @@ def format_by_suffix(path: str) -> Format | None:
 
 def format_of(path: str) -> Format:
     """The format of the file at ``path``: the one its suffix decides, else the one its content
-    shows; the last format told by content when none is shown (its reader says what the file is
-    instead), so a lone such format costs no extra look at the file."""
+    shows (a ``sniffed`` format first); the last format told by content when none is shown (its
+    reader says what the file is instead).
+
+    >>> format_of("resnet-0000.params").name
+    'mxnet'
+    """
     decided = format_by_suffix(path)
     if decided is not None:
         return decided
+    sniffed = next((f for f in FORMATS if f.sniffed is not None and f.sniffed(path)), None)
+    if sniffed is not None:
+        return sniffed
     by_content = [f for f in FORMATS if f.told_by is not None]
     return next((f for f in by_content[:-1] if f.told_by(path)), by_content[-1])
 
@@ -140,7 +154,8 @@ def takes_key(path: str) -> bool:
 def pick_in_folder(folder: str) -> tuple[str, Format]:
     """The weights file of a Hugging Face folder and its format: by ``folder_rank`` (safetensors
     first: an index, else one file; else one .npz; else PyTorch's: ``pytorch_model.bin.index.json``,
-    else one .bin/.pt/.pth/.ckpt file). A rank with two or more files asks which to read."""
+    else one .bin/.pt/.pth/.ckpt file; else one MXNet .params or .nd file). A rank with two or
+    more files asks which to read."""
     names = sorted(os.listdir(folder))
     ranked = sorted((f for f in FORMATS if f.folder_rank is not None), key=lambda f: f.folder_rank)
     for fmt in ranked:
