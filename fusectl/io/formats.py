@@ -145,8 +145,10 @@ def takes_key(path: str) -> bool:
     """Whether ``path`` names a file of a format whose reader takes ``key`` (a PyTorch file, whose
     state dict ``--key`` selects): a file with that format's suffix (.pt, .pth, .bin, .ckpt), or
     any other file whose suffix names no other format and whose content is one
-    (``checkpoint.pth.tar``)."""
+    (``checkpoint.pth.tar``); never a file a ``sniffed`` format's content claims."""
     if not os.path.isfile(path) or format_by_suffix(path) is not None:
+        return False
+    if any(f.sniffed is not None and f.sniffed(path) for f in FORMATS):  # an MXNet file named weights.pt
         return False
     return any(f.takes_key and (path.endswith(f.suffixes) or f.told_by(path)) for f in FORMATS if f.told_by)
 

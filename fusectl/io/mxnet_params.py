@@ -42,6 +42,7 @@ b'\\x12\\x01'
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -225,6 +226,8 @@ def _record(stream: _Stream, k: int, count: int) -> Record:
         return Record(None, stream.at, f"is stored {STORAGE[storage]} (sparse), which fusectl does not read; save it "
                                        "dense (array.tostype('default')) and name that file")
     spec = TensorSpec(dtype, tuple(shape))
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:  # numpy's limit, even with no element
+        raise CheckpointError(f"{stream.path}: {what} is {spec}, too large for any array; the file is corrupt")
     return Record(spec, stream.skip(spec.nbytes, f"{what}'s data ({spec})"))
 
 
