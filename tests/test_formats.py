@@ -126,7 +126,7 @@ def test_key_is_refused_for_every_row_that_does_not_take_it(tmp_path, name):
 # the picking order of a folder, most preferred first
 PREFERENCE = [("safetensors-sharded", "model.safetensors.index.json"), ("safetensors", "model.safetensors"),
               ("npz", "model.npz"), ("pytorch-sharded", "pytorch_model.bin.index.json"),
-              ("pytorch", "pytorch_model.bin"), ("mxnet", "model.params")]
+              ("pytorch", "pytorch_model.bin")]
 
 
 def test_a_folder_is_read_through_the_rows_in_preference_order(tmp_path):
@@ -135,6 +135,7 @@ def test_a_folder_is_read_through_the_rows_in_preference_order(tmp_path):
     for _, file_name in PREFERENCE:
         (tmp_path / file_name).write_bytes(b"")  # picking looks at names only
     (tmp_path / "model.onnx").write_bytes(b"")  # never picked in a folder
+    (tmp_path / "model.params").write_bytes(b"")
     for name, file_name in PREFERENCE:
         path, fmt = pick_in_folder(str(tmp_path))
         assert (Path(path).name, fmt.name) == (file_name, name)
@@ -142,7 +143,7 @@ def test_a_folder_is_read_through_the_rows_in_preference_order(tmp_path):
     with pytest.raises(CheckpointError) as refused:
         pick_in_folder(str(tmp_path))
     assert str(refused.value) == (f"{tmp_path}: holds no .safetensors, .safetensors.index.json, .npz, PyTorch "
-                                  "(.pt, .pth, .bin, .ckpt, *.bin.index.json), MXNet (.params, .nd) file")
+                                  "(.pt, .pth, .bin, .ckpt, *.bin.index.json) file")
 
 
 def test_two_files_of_the_preferred_rank_ask_which_to_read(tmp_path):

@@ -112,9 +112,10 @@ def test_a_file_without_a_suffix_is_told_by_the_list_magic(tmp_path):
     assert format_of(str(tmp_path / "x.params")).name == "mxnet"  # by suffix, unread
 
 
-def test_a_folder_holding_one_params_file_is_read(tmp_path):
+def test_a_folder_is_not_searched_for_params_files(tmp_path):
     shutil.copy(MX / "prefixed" / "prefixed.params", tmp_path / "model.params")
-    assert open_checkpoint(str(tmp_path)).format == "mxnet"
+    with pytest.raises(CheckpointError, match="holds no .safetensors"):
+        open_checkpoint(str(tmp_path))
 
 
 # ------------------------------------------------------------------------------ the writer

@@ -96,8 +96,8 @@ FORMATS: tuple[Format, ...] = (
            output=Output(single_file(_lazy_writer("torch_writer", "TorchWriter")))),
     Format("pytorch-sharded", (TORCH_INDEX_SUFFIX,), _lazy("torch_file", "read_pytorch_index"), folder_rank=3),
     Format("onnx", (".onnx",), _lazy("onnx_file", "read_onnx")),
-    Format("mxnet", MXNET_SUFFIXES, read_mxnet, sniffed=is_mxnet, folder_rank=5, listed_as="MXNet (.params, .nd)",
-           output=Output(single_file(MXNetWriter))),
+    # never picked in a folder: an export's folder holds PREFIX-symbol.json and one params file per epoch
+    Format("mxnet", MXNET_SUFFIXES, read_mxnet, sniffed=is_mxnet, output=Output(single_file(MXNetWriter))),
 )
 
 # files of formats fusectl does not read that hold weights all the same
@@ -156,8 +156,7 @@ def takes_key(path: str) -> bool:
 def pick_in_folder(folder: str) -> tuple[str, Format]:
     """The weights file of a Hugging Face folder and its format: by ``folder_rank`` (safetensors
     first: an index, else one file; else one .npz; else PyTorch's: ``pytorch_model.bin.index.json``,
-    else one .bin/.pt/.pth/.ckpt file; else one MXNet .params or .nd file). A rank with two or
-    more files asks which to read."""
+    else one .bin/.pt/.pth/.ckpt file). A rank with two or more files asks which to read."""
     names = sorted(os.listdir(folder))
     ranked = sorted((f for f in FORMATS if f.folder_rank is not None), key=lambda f: f.folder_rank)
     for fmt in ranked:

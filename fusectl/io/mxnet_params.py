@@ -112,6 +112,12 @@ class _Stream:
 
     def __init__(self, path: str, f: BinaryIO, size: int):
         self.path, self.f, self.size, self.at = path, f, size, 0
+        self.dims = limit("dims")
+        self.specs: dict[tuple, TensorSpec] = {}  # (type flag, shape) → spec of the records read so far
+
+    def rewind(self, to: int) -> None:
+        self.at = to
+        self.f.seek(to)
 
     def take(self, n: int, what: str) -> bytes:
         if n > self.size - self.at:
@@ -179,6 +185,22 @@ def read_mxnet(path: str, key: str | None = None, check_link: Callable[[str], No
 
 
 def _record(stream: _Stream, k: int, count: int) -> Record:
+    start = stream.at
+    if stream.size - start >= 12:  # the usual record (V2, dense) in two reads; anything else below
+        magic, storage, ndim = struct.unpack("<Iii", stream.take(12, "a record"))
+        if magic == V2_MAGIC and storage == 0 and 0 < ndim <= stream.dims and stream.size - stream.at >= 8 * ndim + 12:
+            *dims, _, _, flag = struct.unpack(f"<{ndim}qiii", stream.take(8 * ndim + 12, "a record"))
+            spec = stream.specs.get((flag, *dims))
+            if spec is not None:
+                return Record(spec, stream.skip(spec.nbytes, f"array {k} (of {count})'s data ({spec})"))
+        stream.rewind(start)
+    record = _any_record(stream, k, count)
+    if record.spec is not None:
+        stream.specs[(_FLAG_OF[record.spec.dtype.safetensors], *record.spec.shape)] = record.spec
+    return record
+
+
+def _any_record(stream: _Stream, k: int, count: int) -> Record:
     what = f"array {k} (of {count})"
     (magic,) = stream.unpack("I", f"{what}'s magic")
     if magic in (V2_MAGIC, V3_MAGIC):
@@ -207,10 +229,10 @@ def _record(stream: _Stream, k: int, count: int) -> Record:
         aux = 0
         storage = 0
         ndim = magic
-        if ndim > limit("dims"):
+        if ndim > stream.dims:
             raise CheckpointError(f"{stream.path}: {what} starts with {magic:#x}, which is no record magic of MXNet "
                                   f"(0xf993fac8, 0xf993fac9, 0xf993faca) nor a dimension count of an old record "
-                                  f"(at most {limit('dims')}); the file is corrupt or not an MXNet NDArray file")
+                                  f"(at most {stream.dims}); the file is corrupt or not an MXNet NDArray file")
         shape = stream.unpack(f"{ndim}I", f"{what}'s shape")
     stream.unpack("ii", f"{what}'s context")  # the device it was saved from: fusectl reads every one to the CPU
     dtype = _dtype(stream, what)
@@ -238,7 +260,8 @@ def _shape(stream: _Stream, what: str, numpy_shape: bool) -> tuple[int, ...] | N
     if ndim < 0:  # MXNet reads -1 as a count of 2**64 - 8 bytes: its loader fails or crashes
         raise CheckpointError(f"{stream.path}: {what} has {ndim} dimensions, which MXNet cannot load; the file "
                               "is corrupt")
-    check_limit("dims", ndim, f"{stream.path}: {what}")
+    if ndim > stream.dims:
+        check_limit("dims", ndim, f"{stream.path}: {what}")
     dims = stream.unpack(f"{ndim}q", f"{what}'s dims")
     if any(d < -1 or (d == -1 and not numpy_shape) for d in dims):
         raise CheckpointError(f"{stream.path}: {what} is {list(dims)}, with a negative dimension MXNet refuses; "
