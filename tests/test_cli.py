@@ -656,7 +656,7 @@ def test_an_output_named_like_a_format_fusectl_does_not_write_is_refused(cli, co
     result = cli("fuse", src, "-r", "llama-qkv", "-o", tmp_path / name)
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and name in result.stderr
-    assert ".safetensors, .npz, .pt, .pth, .bin, .ckpt or a folder" in result.stderr
+    assert ".safetensors, .npz, .pt, .pth, .bin, .ckpt, .params, .nd or a folder" in result.stderr
     assert snapshot(tmp_path) == before
 
 

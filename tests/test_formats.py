@@ -53,6 +53,8 @@ def sample(name: str, tmp_path: Path) -> Path:
         return Path(shutil.copy(FIXTURES / "torch" / "tied.pt", folder / "model.pt"))
     if name == "onnx":
         return Path(shutil.copy(FIXTURES / "onnx" / "bert" / "model.onnx", folder / "model.onnx"))
+    if name == "mxnet":
+        return Path(shutil.copy(FIXTURES / "mxnet" / "prefixed" / "prefixed.params", folder / "model.params"))
     source = {"safetensors-sharded": "tiny-llama-gqa-bf16-sharded", "pytorch-sharded": "tiny-llama-gqa-bin"}[name]
     shutil.rmtree(folder)
     shutil.copytree(FIXTURES / source, folder)
@@ -63,7 +65,7 @@ NAMES = [f.name for f in FORMATS]
 
 
 def test_the_checkpoint_format_names_stay():
-    assert NAMES == ["safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx"]
+    assert NAMES == ["safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx", "mxnet"]
     assert [format_named(n).name for n in NAMES] == NAMES
     with pytest.raises(KeyError):
         format_named("gguf")
@@ -133,6 +135,7 @@ def test_a_folder_is_read_through_the_rows_in_preference_order(tmp_path):
     for _, file_name in PREFERENCE:
         (tmp_path / file_name).write_bytes(b"")  # picking looks at names only
     (tmp_path / "model.onnx").write_bytes(b"")  # never picked in a folder
+    (tmp_path / "model.params").write_bytes(b"")
     for name, file_name in PREFERENCE:
         path, fmt = pick_in_folder(str(tmp_path))
         assert (Path(path).name, fmt.name) == (file_name, name)
@@ -182,18 +185,20 @@ def test_every_row_with_a_writer_reads_back_what_it_wrote(tmp_path, name):
 
 def test_an_output_path_is_written_by_the_row_its_suffix_names(tmp_path):
     assert [output_kind(p) for p in ("o.safetensors", "o.npz", "out", "out.d/", "o.tensors", "o.pt", "o.pth",
-                                     "pytorch_model.bin", "o.ckpt")] == \
-        ["safetensors", "npz", "folder", "folder", "folder", "pytorch", "pytorch", "pytorch", "pytorch"]
+                                     "pytorch_model.bin", "o.ckpt", "m-0000.params", "o.nd")] == \
+        ["safetensors", "npz", "folder", "folder", "folder", "pytorch", "pytorch", "pytorch", "pytorch", "mxnet",
+         "mxnet"]
     for suffix in (".onnx", ".json", ".pkl", ".h5", ".gguf", ".zip", ".PT", ".Safetensors", ".NPZ"):
         with pytest.raises(OutputError) as refused:
             output_kind(f"o{suffix}")
-        assert str(refused.value) == (f"o{suffix}: fusectl writes .safetensors, .npz, .pt, .pth, .bin, .ckpt or a "
-                                      f"folder, not {suffix}; choose OUT.safetensors, OUT.npz, OUT.pt or a folder name")
+        assert str(refused.value) == (f"o{suffix}: fusectl writes .safetensors, .npz, .pt, .pth, .bin, .ckpt, .params, "
+                                      f".nd or a folder, not {suffix}; choose OUT.safetensors, OUT.npz, OUT.pt, "
+                                      "OUT.params or a folder name")
 
 
 def test_weight_files_are_every_rows_and_the_formats_fusectl_does_not_read():
     assert set(WEIGHT_SUFFIXES) == {".safetensors", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth",
-                                    ".bin", ".ckpt", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5"}
+                                    ".bin", ".ckpt", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5", ".params", ".nd"}
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

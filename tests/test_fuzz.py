@@ -4,7 +4,9 @@ Every case checks the bad-input contract: exit 0 or 2; on 2 an ``error:`` line t
 file; never "internal error"; no hang (a per-case timeout); no output or temporary file left;
 the input unchanged; and never laxer than the safetensors library (a file it rejects is not
 read). The default run makes a few hundred cases; set ``FUSECTL_FUZZ_CASES`` (per family) and
-``FUSECTL_FUZZ_SEED`` for a longer or another run. PyTorch files are mutated ``8 * FUSECTL_FUZZ_CASES``
+``FUSECTL_FUZZ_SEED`` for a longer or another run. MXNet NDArray files are mutated byte by byte
+(``4 * FUSECTL_FUZZ_CASES`` per fixture, five fixtures) and an exported net's ``-symbol.json``
+node by node, each read with every tensor as the PyTorch files are. PyTorch files are mutated ``8 * FUSECTL_FUZZ_CASES``
 times in all, spread over ten fixtures (480 files by default, 10,000 with ``FUSECTL_FUZZ_CASES=1250``),
 and read in this process (as every command reads them), each within the time limit and without
 raising the process's peak memory past 1 GiB.
@@ -26,6 +28,7 @@ import safetensors
 
 from conftest import leftovers, run_cli, snapshot, time_limit
 from fusectl.errors import FusectlError
+from fusectl.io.mxnet_params import read_mxnet
 from fusectl.io.torch_file import ALLOWED_GLOBALS, read_torch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -426,18 +429,19 @@ def _mutated(data: bytes, rng: random.Random) -> bytes:
     return bytes(mutated)
 
 
-def torch_problem(path: Path) -> str | None:
-    """Read a PyTorch file and every tensor in it as the commands do; what broke the bad-input
-    contract (an exception that is not a FusectlError, an error that does not name the file,
-    no result within the time limit, the process's peak memory past RSS_LIMIT_KB), or None."""
+def torch_problem(path: Path, read=read_torch, named: Path | None = None) -> str | None:
+    """Read a PyTorch file (or, with ``read``, another format's) and every tensor in it as the
+    commands do; what broke the bad-input contract (an exception that is not a FusectlError, an
+    error that does not name the file — or ``named``, a file read beside it —, no result within
+    the time limit, the process's peak memory past RSS_LIMIT_KB), or None."""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     try:
         with time_limit(TIMEOUT_S):
-            contents = read_torch(str(path))
+            contents = read(str(path))
             for tensor in contents.tensors.values():
                 tensor.read()
     except FusectlError as e:
-        if str(path) not in str(e):
+        if str(path) not in str(e) and (named is None or str(named) not in str(e)):
             return f"the error does not name the file: {e}"
     except KeyboardInterrupt:
         raise
@@ -559,3 +563,68 @@ def test_fuzzed_torch_amplification(tmp_path, case):
         zf.writestr("archive/data/0", struct.pack("<4f", 1, 2, 3, 4))
     problem = torch_problem(path)
     assert problem is None, f"amplification case {case} (seed {SEED}): {problem}"
+
+
+# ------------------------------------------------------------------------------ MXNet files
+
+_MXNET_MUTATED = ["raw/dtypes.nd", "raw/sparse.nd", "raw/v1.nd", "raw/numpy-shape.nd", "lstm/lstm-0000.params"]
+MXNET_CASES = 4 * CASES
+
+
+@pytest.mark.parametrize("name", _MXNET_MUTATED)
+def test_fuzzed_mxnet_file_bytes(tmp_path, name):
+    rng = random.Random(f"{SEED}-mxnet-{name}")
+    data = (FIXTURES / "mxnet" / name).read_bytes()
+    path = tmp_path / Path(name).name
+
+    def cases():
+        for case in range(MXNET_CASES):
+            path.write_bytes(_mutated(data, rng))
+            yield f"{name} mutation {case} (seed {SEED})", path
+
+    problems = [f"{label}: {problem}" for label, p in cases() if (problem := torch_problem(p, read_mxnet))]
+    assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
+
+
+def _symbol_mutation(rng: random.Random, doc: dict) -> dict:
+    nodes = doc["nodes"]
+    node = dict(rng.choice(nodes))
+    choice = rng.randrange(9)
+    if choice == 0:
+        node["inputs"] = rng.choice([[[len(nodes) + 3, 0, 0]], [[-1, 0, 0]], "x", [[0]], [[0, 0, 0, 0]], [["0", 0, 0]],
+                                     None, [[HUGE, 0, 0]], [[0, 0, 0]] * 2])
+    elif choice == 1:
+        node["attrs"] = rng.choice([{"mode": "lstm", "state_size": "x", "num_layers": "2"}, {"eps": 1}, [], None,
+                                    {"fix_gamma": "maybe"}, {"projection_size": "-4"}, {"state_size": HUGE}])
+    elif choice == 2:
+        node["op"] = rng.choice(["RNN", "BatchNorm", "null", 3, None, "", "FullyConnected"])
+    elif choice == 3:
+        node["name"] = rng.choice([None, 7, "", "a" * 5000, "\x1b[31m", "arg:x"])
+    elif choice == 4:
+        return rng.choice([[], "x", None, {"nodes": {}}, {"nodes": DEEP.format(3000)}, {}])
+    elif choice == 5:
+        node = rng.choice([None, [], "x", 1])
+    elif choice == 6:
+        node["op"], node["attrs"] = "RNN", {"mode": rng.choice(["lstm", "gru", "x"]), "state_size": "4"}
+    elif choice == 7:
+        doc = dict(doc)
+        doc["nodes"] = nodes + [{"op": "FullyConnected", "name": "extra_fwd", "inputs": [[1, 0, 0], [1, 0, 0]]}]
+        return doc
+    else:
+        node["inputs"] = [[0, 0, 0]] + [[k, 0, 0] for k in range(1, min(len(nodes), 4))]
+    doc = dict(doc)
+    doc["nodes"] = [node if n is nodes[0] else n for n in nodes] if rng.random() < 0.3 else \
+        [node if k == nodes.index(rng.choice(nodes)) else n for k, n in enumerate(nodes)]
+    return doc
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_fuzzed_mxnet_symbol(tmp_path, case):
+    rng = random.Random(f"{SEED}-mxnet-symbol-{case}")
+    folder = FIXTURES / "mxnet" / rng.choice(["tied", "lstm", "conv-bn"])
+    stem = {"tied": "tied", "lstm": "lstm", "conv-bn": "bn-noscale"}[folder.name]
+    params = Path(shutil.copy(folder / f"{stem}-0000.params", tmp_path / f"{stem}-0000.params"))
+    symbol = tmp_path / f"{stem}-symbol.json"
+    symbol.write_text(dumps(_symbol_mutation(rng, json.loads((folder / f"{stem}-symbol.json").read_text()))))
+    problem = torch_problem(params, read_mxnet, named=symbol)
+    assert problem is None, f"symbol case {case} (seed {SEED}): {problem}"

@@ -4,7 +4,8 @@ writer. ``open_checkpoint`` and the output side (``write.write_table``) know for
 through these rows.
 
 A file is recognised by its suffix where the suffix decides (``.safetensors``, ``.npz``,
-``.onnx``, the index files); any other file is a PyTorch file when its content is one, under any
+``.onnx``, MXNet's ``.params`` and ``.nd``, the index files); any other file is an MXNet NDArray
+file when it starts with the list magic, else a PyTorch file when its content is one, under any
 name (:mod:`fusectl.io.sniff`). A folder is read through the file of the first row, in
 ``folder_rank`` order, that it holds exactly one of. An output path is written by the row whose
 file output ends it, else as a folder.
@@ -14,8 +15,8 @@ writer if it is written) and one row below.
 
 >>> format_of("model.safetensors").name, format_of("checkpoint.pth.tar").name
 ('safetensors', 'pytorch')
->>> output_kind("out.npz"), output_kind("model.pt"), output_kind("out/")
-('npz', 'pytorch', 'folder')
+>>> output_kind("out.npz"), output_kind("model.pt"), output_kind("model.params"), output_kind("out/")
+('npz', 'pytorch', 'mxnet', 'folder')
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Callable
 
 from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
+from .mxnet_params import SUFFIXES as MXNET_SUFFIXES, MXNetWriter, is_mxnet, read_mxnet
 from .npz_file import NpzWriter, read_npz
 from .output import FolderWriter, Output, single_file
 from .safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
@@ -38,7 +40,9 @@ class Format:
     """One format: ``name`` (what ``Checkpoint.format`` says), ``suffixes`` (file names that end
     so are this format; for a format ``told_by`` content, only the names a folder is searched
     for), ``read`` (its reader), ``told_by`` (whether a file holds this format, for a format
-    recognised by content under any name), ``folder_rank`` (where it comes when a folder is
+    recognised by content under any name), ``sniffed`` (whether a file holds this format, for a
+    format its suffixes decide that is also recognised by content under other names; tried
+    before ``told_by``), ``folder_rank`` (where it comes when a folder is
     read: lower first; None: never picked in a folder), ``listed_as`` (how a folder holding no
     weights lists it), ``takes_key`` (``key`` selects a state dict) and ``output`` (how it is
     written; None: it is not)."""
@@ -47,6 +51,7 @@ class Format:
     suffixes: tuple[str, ...]
     read: Reader
     told_by: Callable[[str], bool] | None = None
+    sniffed: Callable[[str], bool] | None = None
     folder_rank: int | None = None
     listed_as: str | None = None
     takes_key: bool = False
@@ -91,6 +96,8 @@ FORMATS: tuple[Format, ...] = (
            output=Output(single_file(_lazy_writer("torch_writer", "TorchWriter")))),
     Format("pytorch-sharded", (TORCH_INDEX_SUFFIX,), _lazy("torch_file", "read_pytorch_index"), folder_rank=3),
     Format("onnx", (".onnx",), _lazy("onnx_file", "read_onnx")),
+    # never picked in a folder: an export's folder holds PREFIX-symbol.json and one params file per epoch
+    Format("mxnet", MXNET_SUFFIXES, read_mxnet, sniffed=is_mxnet, output=Output(single_file(MXNetWriter))),
 )
 
 # files of formats fusectl does not read that hold weights all the same
@@ -118,11 +125,18 @@ def format_by_suffix(path: str) -> Format | None:
 
 def format_of(path: str) -> Format:
     """The format of the file at ``path``: the one its suffix decides, else the one its content
-    shows; the last format told by content when none is shown (its reader says what the file is
-    instead), so a lone such format costs no extra look at the file."""
+    shows (a ``sniffed`` format first); the last format told by content when none is shown (its
+    reader says what the file is instead).
+
+    >>> format_of("resnet-0000.params").name
+    'mxnet'
+    """
     decided = format_by_suffix(path)
     if decided is not None:
         return decided
+    sniffed = next((f for f in FORMATS if f.sniffed is not None and f.sniffed(path)), None)
+    if sniffed is not None:
+        return sniffed
     by_content = [f for f in FORMATS if f.told_by is not None]
     return next((f for f in by_content[:-1] if f.told_by(path)), by_content[-1])
 
@@ -131,8 +145,10 @@ def takes_key(path: str) -> bool:
     """Whether ``path`` names a file of a format whose reader takes ``key`` (a PyTorch file, whose
     state dict ``--key`` selects): a file with that format's suffix (.pt, .pth, .bin, .ckpt), or
     any other file whose suffix names no other format and whose content is one
-    (``checkpoint.pth.tar``)."""
+    (``checkpoint.pth.tar``); never a file a ``sniffed`` format's content claims."""
     if not os.path.isfile(path) or format_by_suffix(path) is not None:
+        return False
+    if any(f.sniffed is not None and f.sniffed(path) for f in FORMATS):  # an MXNet file named weights.pt
         return False
     return any(f.takes_key and (path.endswith(f.suffixes) or f.told_by(path)) for f in FORMATS if f.told_by)
 

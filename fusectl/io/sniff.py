@@ -2,8 +2,11 @@
 central directory: PyTorch's ``torch.save`` files told apart from whatever looks like them.
 
 fusectl picks a reader by suffix where the suffix is unambiguous (``.safetensors``, ``.npz``,
-``.onnx``, the index files). Any other file is a PyTorch file when its content is one, whatever
-its name (``.pth.tar``, ``.tar``, ``.model``, ``.pkl``, ``.checkpoint``, no suffix):
+``.onnx``, MXNet's ``.params`` and ``.nd``, the index files). Any other file that starts with
+MXNet's NDArray list magic (u64 ``0x112``: ``mx.nd.save`` files under any name, such as the
+suffix-less ones of old model zoos) is read as one (``mxnet_params.is_mxnet``). Any other file
+is a PyTorch file when its content is one, whatever its name (``.pth.tar``, ``.tar``, ``.model``,
+``.pkl``, ``.checkpoint``, no suffix):
 
 - a zip archive whose first folder holds ``data.pkl`` and a ``version`` or ``byteorder`` record
   (what ``torch.save`` writes), and no TorchScript (``code/``, ``constants.pkl``) or torch.export
@@ -47,8 +50,8 @@ _LEGACY_TEXT_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=1)
 _PICKLE_PROTOCOLS = tuple(bytes([0x80, p]) for p in range(2, pickle.HIGHEST_PROTOCOL + 1))
 _TORCH_VERSION_RECORDS = frozenset({"version", ".data/version", "byteorder"})
 _SHOWN_MEMBERS = 5
-READS = ("fusectl reads torch.save files (under any name), .safetensors, .npz and .onnx files, and folders "
-         "holding them")
+READS = ("fusectl reads torch.save files (under any name), .safetensors, .npz and .onnx files, MXNet .params "
+         "files, and folders holding them")
 
 
 def check_pytorch(path: str) -> None:
@@ -90,6 +93,9 @@ def describe_head(head: bytes, size: int) -> tuple[str, str]:
         return "gzip-compressed data", "decompress it (gunzip) and name the result"
     if head.startswith(b"\x89HDF\r\n\x1a\n"):
         return "an HDF5 file (Keras or TensorFlow .h5 weights)", "fusectl does not read HDF5; " + READS
+    if head.startswith(struct.pack("<Q", 0x112)):
+        return ("an MXNet NDArray file (mx.nd.save's list magic)", "give it a name that ends in .params, which is "
+                "how fusectl tells MXNet files by name")
     if head.startswith(b"GGUF"):
         return "a GGUF file (llama.cpp)", "fusectl does not read GGUF; " + READS
     if len(head) > 8 and head[8:9] == b"{" and 2 <= struct.unpack("<Q", head[:8])[0] <= size - 8:
