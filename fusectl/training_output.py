@@ -42,7 +42,7 @@ from .io.optimizer_state import LIGHTNING_KEY, node_at, read_order, training_tre
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
-from .tensors import LazyTensor
+from .tensors import LazyTensor, TensorSpec
 from .write import WriteReport, output_metadata
 
 
@@ -131,7 +131,7 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
         entry = _state_of(name, members[name], state, id_of, table, checkpoint.path)
         for key, value in entry.items():  # untied members: each its own copy of the one state
             if isinstance(value, LazyTensor):
-                entry[key] = _Copy(value) if id(value) in seen else value
+                entry[key] = _Copy(value.spec, value) if id(value) in seen else value
                 seen.add(id(value))
         return entry
 
@@ -288,14 +288,13 @@ def _state_of(name: str, parts: list[str], state, id_of: Mapping, table: ParamTa
     return entry
 
 
+@dataclass(frozen=True, eq=False)
 class _Copy(LazyTensor):
     """Another tensor with ``source``'s data: written as its own storage (an untied member's
     state, which torch's optimizer must not update in place with another parameter's)."""
 
-    __slots__ = ("source", "spec")
-
-    def __init__(self, source: LazyTensor):
-        self.source, self.spec = source, source.spec
+    spec: TensorSpec
+    source: LazyTensor
 
     def read(self):
         """The source's data."""
