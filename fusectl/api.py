@@ -41,7 +41,7 @@ from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
-from .io.trainer_folder import TrainerOptimizer
+from .io.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
 from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
 from .write import write_table
@@ -355,6 +355,9 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
                 "the model's tensors only (a PyTorch file, .pt, holds the whole training dict; "
                 f"{option('drop_optimizer')} leaves the state out on purpose)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
+    if trainer and dropped:  # the model folder: without optimizer.pt, a Trainer resuming from the
+        # scheduler and trainer state it left would go on with a fresh optimizer, silently
+        companions = [c for c in companions if not is_training_state(c.relative)]
     if unchanged:  # no step moves the state: a Trainer folder's optimizer file is copied as it is
         companions.append(Companion(training.file, training.optimizer_key))
     recorded = history + new

@@ -291,6 +291,19 @@ def test_a_lightning_ckpt_with_drop_optimizer_is_what_save_weights_only_writes(t
         assert kept[key] == original[key], key
 
 
+def test_a_trainer_folder_with_drop_optimizer_is_the_model_folder_without_the_runs_state(tmp_path):
+    # without optimizer.pt, a Trainer resuming from the scheduler and trainer_state.json left
+    # beside the model would go on with a fresh optimizer and say nothing: none of them is written
+    source = TRAINING / "trainer" / "checkpoint-2"
+    out = tmp_path / "model"
+    result = ok(run_cli("fuse", source, *RULES, "--drop-optimizer", "-o", out, "--json"))
+    assert json.loads(result.stdout)["optimizer"]["state"] == "dropped"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (out / "generation_config.json").read_bytes() == (source / "generation_config.json").read_bytes()
+    fused = fusectl.open_checkpoint(str(out))
+    assert fused.training is None and "model.layers.0.self_attn.qkv_proj.weight" in fused.table
+
+
 @pytest.mark.parametrize("name", ["llama-adamw.pt", "llama-sgd.pt", "lightning.ckpt"])
 def test_fuse_then_unfuse_with_rules_gives_back_the_optimizer_bitwise(tmp_path, name):
     suffix = name.rsplit(".", 1)[1]

@@ -32,6 +32,7 @@ from ..errors import CheckpointError, option, printable
 from .optimizer_state import Training, parse_optimizer
 
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # the first present is the optimizer read
+TRAINER_STATE = "trainer_state.json"  # the Trainer's step, epoch, logs: JSON, a companion
 TRAINER_FILES = frozenset({*OPTIMIZER_FILES, "scheduler.pt", "scaler.pt", "training_args.bin"})
 _RNG_STATE = re.compile(r"rng_state(_[0-9]+)?\.pth")
 # keys of fusectl's record in an optimizer file it wrote (strings: JSON lists of names)
@@ -43,6 +44,12 @@ def is_trainer_file(name: str) -> bool:
     """Whether ``name`` (a file name at the top of a folder) is one the Trainer writes beside the
     model's weights: never a weight file of the model, whatever its suffix."""
     return name in TRAINER_FILES or bool(_RNG_STATE.fullmatch(name))
+
+
+def is_training_state(name: str) -> bool:
+    """Whether ``name`` (relative to a Trainer checkpoint) is the Trainer's state of the run —
+    its own files and ``trainer_state.json`` — rather than the model's."""
+    return is_trainer_file(name) or name == TRAINER_STATE
 
 
 class TrainerOptimizer(Training):
