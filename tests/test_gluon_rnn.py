@@ -328,6 +328,22 @@ def test_the_symbol_leaves_out_what_it_cannot_tell():
     assert "input_size" not in one.rnn_config({"arg:p": (2 * 3 * 4,)})  # nothing left for i2h
     two = parse_symbol({"nodes": nodes + [rnn, dict(rnn, name="r2")]}, "s.json")
     assert two.rnn_config({"arg:p": (108,)}) is None
+    odd = parse_symbol({"nodes": nodes + [dict(rnn, attrs={"mode": "gru", "state_size": "many"})]}, "s.json")
+    assert odd.rnn_config({"arg:p": (108,)}) is None  # the params file still reads
+
+
+def test_an_export_whose_rnn_node_is_not_mxnets_still_reads(tmp_path):
+    import shutil
+
+    from fusectl.io.checkpoint import open_checkpoint
+
+    for name in ("lstm-0000.params", "lstm-symbol.json"):
+        shutil.copy(MX / "fused-cell" / name, tmp_path / name)
+    symbol = json.loads((tmp_path / "lstm-symbol.json").read_text())
+    next(n for n in symbol["nodes"] if n["op"] == "RNN")["attrs"]["mode"] = "sru"
+    (tmp_path / "lstm-symbol.json").write_text(json.dumps(symbol))
+    checkpoint = open_checkpoint(str(tmp_path / "lstm-0000.params"))
+    assert checkpoint.config is None and checkpoint.table.names() == ["arg:lstm_parameters"]
 
 
 # ---------------------------------------------------------------- interleaved QKV

@@ -181,7 +181,8 @@ class Symbol:
         graph does not hold: it is what the length of the operator's parameter vector (in
         ``stored``, name → shape, as ``arg:NAME`` or bare) leaves for the first layer, when
         that vector is stored and the length fits. None when the graph has no RNN operator or
-        several (whose sizes one config cannot hold).
+        several (whose sizes one config cannot hold), or when its attributes are not MXNet's (the
+        params file still reads: only a rule's var that needs a size then asks for ``--config``).
 
         >>> symbol = parse_symbol({"nodes": [
         ...     {"op": "null", "name": "data", "inputs": []},
@@ -192,7 +193,10 @@ class Symbol:
         >>> symbol.rnn_config({"arg:lstm_parameters": (736,)})
         {'state_size': 4, 'num_layers': 2, 'bidirectional': 1, 'input_size': 3}
         """
-        rnns = self.rnns()
+        try:
+            rnns = self.rnns()
+        except CheckpointError:
+            return None
         if len(rnns) != 1:
             return None
         rnn = rnns[0]
