@@ -197,7 +197,8 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     initializers. A Hugging Face cache repository folder (``…/models--ORG--NAME``, or its
     ``snapshots/``) is read as the snapshot ``refs/main`` names, or its only snapshot.
 
-    ``config.json`` beside the checkpoint (or ``config_path``) supplies ``config:`` variables.
+    ``config.json`` beside the checkpoint (or ``config_path``) supplies ``config:`` variables;
+    without one, what the format's reader found (an MXNet export's RNN sizes), if anything.
     Inside an input folder, fusectl follows a symbolic link only where it resolves inside
     that folder, or, for a Hugging Face cache snapshot (``…/models--ORG--NAME/snapshots/REV``),
     inside the repository's cache folder where the blobs live; ``allow_outside_links`` lifts
@@ -247,7 +248,8 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         if os.path.lexists(beside):
             boundary.check(beside)
             config_path = beside
-    config = _read_config(config_path) if config_path else None
+    # without a config.json, the sizes the checkpoint's own files hold (an MXNet export's RNN)
+    config = _read_config(config_path) if config_path else (dict(contents.config) if contents.config else None)
     aliases = merge_aliases([
         (f"{target} (shared storage)", contents.aliases),
         (f"{target} (fusectl provenance)", provenance.aliases if provenance else {}),

@@ -30,6 +30,9 @@ class Contents:
     top level); ``ignored``: the entries of it that are not tensors. ``training``: for a
     state dict inside a training dict, the rest of it (``optimizer_state.Training``: the
     optimizer beside the model, the whole tree for writing it back); None otherwise.
+    ``config``: values for rules' ``config:`` vars that the checkpoint's own files supply (an
+    MXNet export's RNN operator in its ``-symbol.json``), used where there is no config.json;
+    None: none.
     """
 
     tensors: Mapping[str, LazyTensor]
@@ -40,6 +43,7 @@ class Contents:
     state_dict_key: str | None = None
     ignored: list[str] = field(default_factory=list)
     training: object = None
+    config: Mapping[str, object] | None = None
 
     @property
     def optimizer(self):

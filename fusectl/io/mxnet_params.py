@@ -147,7 +147,8 @@ def read_mxnet(path: str, key: str | None = None, check_link: Callable[[str], No
     """The :class:`Contents` of an MXNet NDArray file: every dense array as a lazy byte range,
     under its name in the file (``0``, ``1``, … for a list without names), fusectl's metadata
     when the file holds it, and the ties that a ``-symbol.json`` beside it shows (two
-    operators reading one variable; :mod:`fusectl.io.mxnet_symbol`). CheckpointError naming the
+    operators reading one variable; :mod:`fusectl.io.mxnet_symbol`) and the sizes of its one RNN
+    operator as config values (:meth:`~fusectl.io.mxnet_symbol.Symbol.rnn_config`). CheckpointError naming the
     file (and the array) for anything ``mx.nd.load`` refuses or would read otherwise."""
     with open_input(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -173,15 +174,18 @@ def read_mxnet(path: str, key: str | None = None, check_link: Callable[[str], No
         tensors[name] = FileTensor(rec.spec, ByteRange(path, rec.offset, rec.spec.nbytes))
     files = [path]
     aliases: dict[str, str] = {}
+    config = None
     symbol_path = symbol_beside(path)
     if symbol_path is not None and os.path.lexists(symbol_path):
         from .mxnet_symbol import read_symbol  # only an export's params have one
 
         if check_link is not None:
             check_link(symbol_path)
-        aliases = read_symbol(symbol_path).aliases(tensors)
+        symbol = read_symbol(symbol_path)
+        aliases = symbol.aliases(tensors)
+        config = symbol.rnn_config({name: t.spec.shape for name, t in tensors.items()})
         files.append(symbol_path)
-    return Contents(tensors, files, metadata, metadata.get(METADATA_KEY), aliases)
+    return Contents(tensors, files, metadata, metadata.get(METADATA_KEY), aliases, config=config)
 
 
 def _record(stream: _Stream, k: int, count: int) -> Record:

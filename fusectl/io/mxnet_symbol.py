@@ -1,8 +1,9 @@
 """An MXNet ``-symbol.json`` (what ``HybridBlock.export`` and ``mx.model.save_checkpoint`` write
 beside ``PREFIX-0000.params``), read as data and never executed: its nodes, their operators and
 attributes, and what fusectl needs of them — BatchNorm's ``eps`` and ``fix_gamma``, the RNN
-operator's mode, state size, layers, direction and projection, and the variables that two
-operators read (a tied parameter, stored once).
+operator's mode, state size, layers, direction and projection (as config values for rules'
+vars, :meth:`Symbol.rnn_config`), and the variables that two operators read (a tied
+parameter, stored once).
 
 The graph is nnvm's JSON: ``nodes`` (each ``op``, ``name``, ``attrs`` — ``attr`` or ``param`` in
 older files — and ``inputs``, each ``[node, output, version]``), ``arg_nodes``, ``heads``. A
@@ -173,6 +174,43 @@ class Symbol:
                              self._variable(node, 1)))
         return found
 
+    def rnn_config(self, stored: Mapping[str, tuple[int, ...]]) -> dict[str, int] | None:
+        """The sizes of the graph's one RNN operator as config values for rules' ``config:``
+        vars (``mxnet-fused-*-to-torch``): ``state_size``, ``num_layers``, ``bidirectional``
+        (0 or 1), ``projection_size`` (only with a projection) and ``input_size``, which the
+        graph does not hold: it is what the length of the operator's parameter vector (in
+        ``stored``, name → shape, as ``arg:NAME`` or bare) leaves for the first layer, when
+        that vector is stored and the length fits. None when the graph has no RNN operator or
+        several (whose sizes one config cannot hold), or when its attributes are not MXNet's (the
+        params file still reads: only a rule's var that needs a size then asks for ``--config``).
+
+        >>> symbol = parse_symbol({"nodes": [
+        ...     {"op": "null", "name": "data", "inputs": []},
+        ...     {"op": "null", "name": "lstm_parameters", "inputs": []},
+        ...     {"op": "RNN", "name": "lstm_rnn", "inputs": [[0, 0, 0], [1, 0, 0]],
+        ...      "attrs": {"mode": "lstm", "state_size": "4", "num_layers": "2", "bidirectional": "True"}}]},
+        ...     "lstm-symbol.json")
+        >>> symbol.rnn_config({"arg:lstm_parameters": (736,)})
+        {'state_size': 4, 'num_layers': 2, 'bidirectional': 1, 'input_size': 3}
+        """
+        try:
+            rnns = self.rnns()
+        except CheckpointError:
+            return None
+        if len(rnns) != 1:
+            return None
+        rnn = rnns[0]
+        config = {"state_size": rnn.state_size, "num_layers": rnn.num_layers, "bidirectional": int(rnn.bidirectional)}
+        if rnn.projection_size is not None:
+            config["projection_size"] = rnn.projection_size
+        shape = next((stored[f"{p}{rnn.parameters}"] for p in ("arg:", "")
+                      if rnn.parameters is not None and f"{p}{rnn.parameters}" in stored), None)
+        if shape is not None and len(shape) == 1:
+            size = _input_size(rnn, shape[0])
+            if size is not None:
+                config["input_size"] = size
+        return config
+
     def _variable(self, node: Node, k: int) -> str | None:
         if k >= len(node.inputs):
             return None
@@ -212,6 +250,26 @@ class Symbol:
         if text.lower() in _FALSE:
             return False
         raise self._error(node, f"{key} is {text!r}, not True or False")
+
+
+# gates per RNN mode: the rows of an i2h or h2h weight are gates * state_size
+GATES = {"lstm": 4, "gru": 3, "rnn_relu": 1, "rnn_tanh": 1}
+
+
+def _input_size(rnn: RNN, length: int) -> int | None:
+    """The first layer's input size that makes MXNet's flat vector of ``rnn`` ``length`` long
+    (per layer and direction i2h, h2h[, h2r] weights, then two biases per gate row); None when
+    no whole positive size does."""
+    gh, h, d, layers = GATES[rnn.mode] * rnn.state_size, rnn.state_size, 1 + rnn.bidirectional, rnn.num_layers
+    p = rnn.projection_size or h
+    h2r = p * h if rnn.projection_size is not None else 0
+    if gh == 0 or layers == 0:
+        return None
+    first = length - (layers - 1) * d * (gh * d * p + gh * p + h2r) - layers * d * 2 * gh
+    if first <= 0 or first % d or (first // d - gh * p - h2r) % gh:
+        return None
+    size = (first // d - gh * p - h2r) // gh
+    return size if size > 0 else None
 
 
 def read_symbol(path: str) -> Symbol:
