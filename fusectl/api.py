@@ -36,6 +36,7 @@ from .followers.optimizer import STATE_SEP
 from .planner import bind_and_lift, lift_recorded
 from .reports import human, name_map_text, plan_json, plan_text
 from .rules.inverse import InverseProof, invert_with_proof
+from .rules.mxnet_facts import with_checkpoint_facts
 from .rules.origin import load_recorded_rules
 from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
@@ -157,8 +158,10 @@ def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]
 
 
 def _load_with_origins(checkpoint: Checkpoint, rules: Sequence[str]) -> list[tuple[RuleSet, RuleOrigin]]:
-    """Each rules file loaded, with the text and config values its provenance records."""
-    return [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]
+    """Each rules file loaded, with the text and config values its provenance records; its
+    ``bn_fold`` rules given what an MXNet checkpoint's symbol says (``rules.mxnet_facts``)."""
+    loaded = [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]
+    return [(with_checkpoint_facts(ruleset, checkpoint), origin) for ruleset, origin in loaded]
 
 
 def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect: bool,
