@@ -36,6 +36,7 @@ from .followers.optimizer import STATE_SEP
 from .planner import bind_and_lift, lift_recorded
 from .reports import human, name_map_text, plan_json, plan_text
 from .rules.inverse import InverseProof, invert_with_proof
+from .rules.mxnet_facts import with_checkpoint_facts
 from .rules.origin import load_recorded_rules
 from .rules.presets import preset_description, preset_names, preset_text
 from .rules.schema import RuleSet
@@ -157,8 +158,10 @@ def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]
 
 
 def _load_with_origins(checkpoint: Checkpoint, rules: Sequence[str]) -> list[tuple[RuleSet, RuleOrigin]]:
-    """Each rules file loaded, with the text and config values its provenance records."""
-    return [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]
+    """Each rules file loaded, with the text and config values its provenance records; its
+    ``bn_fold`` rules given what an MXNet checkpoint's symbol says (``rules.mxnet_facts``)."""
+    loaded = [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]
+    return [(with_checkpoint_facts(ruleset, checkpoint), origin) for ruleset, origin in loaded]
 
 
 def _prepared_table(checkpoint: Checkpoint, rulesets: Sequence[RuleSet], detect: bool,
@@ -674,29 +677,45 @@ def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follo
     return inspect_checkpoint(checkpoint, label, detect_ties=detect_ties)
 
 
-def map_names(ckpt, graph, *, config: str | None = None, follow_symlinks: bool = False, key: str | None = None):
-    """Pair a checkpoint's structural names with the initializers of ``graph`` and its Constant
-    nodes, also inside If/Loop/Scan bodies: by name (allowing one common prefix), then by equal
-    content, then by equal transposed content (exporters fold Linear weights into anonymous
-    transposed initializers).
+def map_names(ckpt, other, *, config: str | None = None, follow_symlinks: bool = False, key: str | None = None):
+    """Pair a checkpoint's structural names with the initializers of an ONNX graph, or with the
+    names of another checkpoint of the same model.
+
+    A graph (``other`` ending in ``.onnx``): its initializers and Constant nodes, also inside
+    If/Loop/Scan bodies, by name (allowing one common prefix), then by equal content, then by
+    equal transposed content (exporters fold Linear weights into anonymous transposed
+    initializers). Another checkpoint (any format fusectl reads: a Gluon ``save_parameters``
+    file against its ``export``): by name where the names agree (after MXNet's ``arg:``/``aux:``
+    and one common prefix), then by content where it is unique on both sides; tensors of equal
+    content that nothing tells apart are reported as ambiguous, never paired
+    (:mod:`fusectl.checkpoint_map`).
 
     :param ckpt: the checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
-    :param graph: the path of an exporter's ``.onnx``.
+    :param other: the path of an exporter's ``.onnx``, or of another checkpoint (or an opened one).
     :param config: a config.json other than the one beside the checkpoint.
-    :param follow_symlinks: follow links in an input folder that lead outside it.
-    :param key: the state dict inside a PyTorch training dict (dotted for nesting).
-    :returns: a :class:`~fusectl.onnx.namemap.NameMap` (``.to_json()`` is ``map --json``).
+    :param follow_symlinks: follow links in an input folder that lead outside it (both inputs).
+    :param key: the state dict inside a PyTorch training dict (dotted for nesting; ``ckpt`` only).
+    :returns: a :class:`~fusectl.onnx.namemap.NameMap` for a graph, a
+        :class:`~fusectl.checkpoint_map.CheckpointMap` for a checkpoint (``.to_json()`` is
+        ``map --json``).
     :raises CheckpointError: an unreadable checkpoint or graph.
 
     >>> pairs = map_names("fixtures/onnx/bert/model.safetensors", "fixtures/onnx/bert/model.onnx")
     >>> len(pairs.pairs) > 0 and not pairs.differing()
     True
+    >>> gluon = map_names("fixtures/mxnet/prefixed/prefixed.params", "fixtures/mxnet/prefixed/prefixed-0000.params")
+    >>> [(p.checkpoint, p.other) for p in gluon.pairs][:2]
+    [('0.bias', 'arg:model_fc1_bias'), ('0.weight', 'arg:model_fc1_weight')]
     """
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
+    if isinstance(other, Checkpoint) or not os.fspath(other).endswith(".onnx"):
+        from .checkpoint_map import map_checkpoints
+
+        return map_checkpoints(checkpoint.table, _checkpoint(other, None, follow_symlinks).table)
     from .onnx.graph import load_model
     from .onnx.namemap import map_graph
 
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
-    return map_graph(checkpoint.table, load_model(os.fspath(graph)))
+    return map_graph(checkpoint.table, load_model(os.fspath(other)))
 
 
 def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, follow_symlinks: bool = False,

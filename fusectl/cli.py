@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .errors import FusectlError, cli_vocabulary, printable
+from .errors import CheckpointError, FusectlError, cli_vocabulary, printable
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -399,25 +399,47 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
 @command(main, "map")
 @inputs_options
 @click.argument("ckpt", type=click.Path())
-@click.argument("graph", type=click.Path())
+@click.argument("other", metavar="GRAPH.onnx|OTHER", type=click.Path())
 @json_option
 @config_option
-def map_cmd(ckpt, graph, as_json, config_path):
-    """Pair CKPT's structural names with GRAPH's initializers.
+def map_cmd(ckpt, other, as_json, config_path):
+    """Pair CKPT's names with GRAPH's initializers, or with the names of OTHER, another
+    checkpoint of the same model.
 
-    By name (allowing one common prefix), then by equal content, then by equal transposed
-    content (exporters fold Linear weights into anonymous transposed initializers).
+    A graph: by name (allowing one common prefix), then by equal content, then by equal
+    transposed content (exporters fold Linear weights into anonymous transposed initializers).
+    A checkpoint (a Gluon save_parameters file and its export): by name where the names agree
+    (after MXNet's arg:/aux: and one common prefix), then by content equal and unique on both
+    sides. Tensors of equal content that nothing tells apart are listed as ambiguous and never
+    paired: the report is printed, then an error (exit 2).
 
     \b
     Example:
       fusectl map fixtures/onnx/bert/model.safetensors fixtures/onnx/bert/model.onnx
+      fusectl map net.params net-0000.params
     """
-    c = _api().open_input(ckpt, config=config_path, **_inputs())
-    result = _api().map_names(c, graph)
+    api = _api()
+    c = api.open_input(ckpt, config=config_path, **_inputs())
+    if not os.fspath(other).endswith(".onnx"):
+        o = api.open_input(other, follow_symlinks=_follow_symlinks())
+        result = api.map_names(c, o)
+        if as_json:
+            _emit_json(result.to_json())
+        else:
+            click.echo(result.to_text(ckpt, other, (len(c.table.names()), len(o.table.names()))))
+        if result.ambiguous:
+            first = result.ambiguous[0]
+            raise CheckpointError(
+                f"{len(result.ambiguous)} group(s) of tensors hold equal bytes that nothing tells apart, so they are "
+                f"not paired: {', '.join(first.checkpoint)} in {ckpt} and {', '.join(first.other)} in {other} "
+                f"({first.dtype} {list(first.shape)}){' and more' if len(result.ambiguous) > 1 else ''}; pair "
+                "those by hand (their names say which is which, the bytes cannot)")
+        return
+    result = api.map_names(c, other)
     if as_json:
         _emit_json(result.to_json())
     else:
-        click.echo(_api().name_map_text(result, ckpt, graph, len(c.table.names())))
+        click.echo(api.name_map_text(result, ckpt, other, len(c.table.names())))
 
 
 @command(main, "export")

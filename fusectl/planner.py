@@ -131,6 +131,10 @@ def bind_rule(rule: Rule, table: ParamTable, riders: Riders | None = None,
             continue
         # specs, not just presence: an op may resolve a parameter from them (bn_fold's layer)
         op = rule.op.for_present([table.spec(n) if n is not None else None for n in inputs])
+        try:
+            op = op.for_names(inputs)
+        except PlanError as e:
+            raise PlanError(f"{rule.describe()}: {e}") from e
         if riders is not None:
             op = riders.complete(op)
         inputs = [n for n in inputs if n is not None]

@@ -21,7 +21,7 @@ from fusectl.ops import OPS
 from fusectl.rules.schema import load_rules
 
 # op fields the loader derives from the rule's shape (never written in a rules file)
-DERIVED_FIELDS = {"parts", "has_bias"}
+DERIVED_FIELDS = {"parts", "has_bias", "facts"}  # rules.schema._DERIVED: never written in a rule
 # the vars a snippet may use, as a preset would define them from config.json
 SNIPPET_VARS = "[vars]\nheads = 4\nkv_heads = 2\n"
 SNIPPET = re.compile(r"^Rule::\n\n((?:    .*\n|\n)+)", re.M)

@@ -9,13 +9,12 @@ compared by hashing (dtype, shape, bytes) once per tensor, never pair by pair.
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 
+from ..checkpoint_map import common_prefix, digest as _digest
 from ..table import ParamTable
 from ..tensors import LazyTensor
 
@@ -60,12 +59,6 @@ class NameMap:
             "graph_prefix": self.graph_prefix,
             "checkpoint_prefix": self.checkpoint_prefix,
         }
-
-
-def _digest(array: np.ndarray) -> tuple:
-    array = np.ascontiguousarray(array)
-    return (str(array.dtype), array.shape,
-            hashlib.blake2b(array.reshape(-1).view(np.uint8).data, digest_size=16).digest())
 
 
 # close pairs are looked for only among this many (initializer, tensor) candidates: they are
@@ -128,39 +121,6 @@ def _same_data(tensor: LazyTensor, initializer: Callable[[], np.ndarray]) -> str
     mine = np.ascontiguousarray(tensor.read()).reshape(-1).view(np.uint8)
     theirs = np.ascontiguousarray(initializer()).reshape(-1).view(np.uint8)
     return "equal" if np.array_equal(mine, theirs) else "differs"
-
-
-def common_prefix(structural: list[str], graph: list[str]) -> tuple[str, str]:
-    """The (graph prefix, checkpoint prefix) under which the most names coincide: a prefix on
-    one side (an exporter's wrapper, ``model.``), or one leading segment swapped for another
-    (``module.`` of a DataParallel checkpoint against a wrapper's ``m.``).
-
-    >>> common_prefix(["module.conv.weight", "module.conv.bias"], ["m.conv.weight", "m.conv.bias", "x"])
-    ('m.', 'module.')
-    """
-    counts: Counter[tuple[str, str]] = Counter()
-    struct_set, graph_set = set(structural), set(graph)
-    for names, others, side in ((graph, struct_set, 0), (structural, graph_set, 1)):
-        for name in names:
-            parts = name.split(".")
-            for k in range(len(parts)):
-                if ".".join(parts[k:]) in others:
-                    prefix = ".".join(parts[:k]) + ("." if k else "")
-                    counts[(prefix, "") if side == 0 else ("", prefix)] += 1
-                    break
-    graph_rest: dict[str, set[str]] = {}
-    for name in graph:
-        head, _, rest = name.partition(".")
-        if rest.count(".") >= 1:  # at least two segments must coincide
-            graph_rest.setdefault(rest, set()).add(head + ".")
-    for name in structural:
-        head, _, rest = name.partition(".")
-        for graph_head in graph_rest.get(rest, ()):
-            if graph_head != head + ".":
-                counts[(graph_head, head + ".")] += 1
-    if not counts:
-        return "", ""
-    return counts.most_common(1)[0][0]
 
 
 def map_names(

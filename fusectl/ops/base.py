@@ -63,6 +63,11 @@ class Op:
         """The op to run when some optional inputs are absent (they are left out of its inputs)."""
         return self
 
+    def for_names(self, names: Sequence[str | None]) -> "Op":
+        """The op for one binding, given its input names in role order (None: an absent optional
+        input): where the checkpoint's facts decide a parameter (bn_fold's MXNet fix_gamma)."""
+        return self
+
     def with_block_size(self, block: tuple[int, int] | None) -> "Op":
         """The op with the checkpoint's quantization block size filled in where it needs one."""
         return self

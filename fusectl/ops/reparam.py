@@ -8,6 +8,7 @@ a NaN written to disk.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Sequence
 
 import numpy as np
@@ -338,6 +339,96 @@ class SpectralNormFold(Op):
         return [best]
 
 
+# the MXNet operators a BatchNorm can be folded into, by the bn_fold layer each one is
+_FOLDABLE_LAYERS = {"Convolution": ("conv", "auto"), "FullyConnected": ("linear", "conv", "auto"),
+                    "Deconvolution": ("conv_transpose",)}
+
+
+def _variable(name: str) -> str:
+    """A params file's name as the symbol's variable: MXNet's ``arg:``/``aux:`` prefix dropped."""
+    return name[4:] if name.startswith(("arg:", "aux:")) else name
+
+
+@dataclasses.dataclass(frozen=True)
+class NormFacts:
+    """One BatchNorm node of an MXNet ``-symbol.json`` as a fold needs it: its ``gamma``
+    variable, ``eps``, ``fix_gamma`` and ``axis``, and the operator whose output it normalizes
+    (``layer_op``, ``layer_node``) with that operator's weight variable (None: it reads no
+    variable, or the BatchNorm follows something that is no layer)."""
+
+    node: str
+    gamma: str
+    eps: float
+    fix_gamma: bool
+    axis: int
+    layer_node: str | None = None
+    layer_op: str | None = None
+    layer_weight: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchNormFacts:
+    """What an MXNet checkpoint says of its BatchNorms: ``params`` (the file), ``symbol`` (the
+    ``-symbol.json`` beside it, None for a file without one: a ``save_parameters`` file) and
+    its BatchNorm nodes. :meth:`resolve` turns a rule's ``bn_fold`` into one binding's.
+
+    >>> facts = BatchNormFacts("m-0000.params", "m-symbol.json",
+    ...                        (NormFacts("bn0_fwd", "bn0_gamma", 2e-5, True, 1, "conv0_fwd", "Convolution", "conv0_weight"),))
+    >>> op = facts.resolve(BnFold(), ["arg:conv0_weight", None, "arg:bn0_gamma", "arg:bn0_beta", "aux:m", "aux:v"])
+    >>> op.fix_gamma, op.eps, op.facts
+    (True, 2e-05, None)
+    """
+
+    params: str
+    symbol: str | None
+    norms: tuple[NormFacts, ...] = ()
+
+    def resolve(self, op: "BnFold", names: Sequence[str | None]) -> "BnFold":
+        """``op`` for the binding ``names`` (weight, bias, gamma, beta, mean, var; None for an
+        absent bias): fix_gamma and eps from the symbol, or as the rule writes them where
+        there is none; PlanError when the file cannot say and the rule does not, or when the
+        rule contradicts the graph."""
+        weight, gamma = names[0], names[2]
+        plain = dataclasses.replace(op, facts=None)
+        if self.symbol is None:
+            if op.fix_gamma in (None, "symbol"):
+                raise PlanError(
+                    f"{self.params} has no -symbol.json beside it (a save_parameters file), so nothing says "
+                    f"whether MXNet uses {gamma!r}: write fix_gamma = true in the rule (gamma taken as 1: Gluon's "
+                    "BatchNorm(scale=False), MXNet's default) or false (BatchNorm(scale=True)), with the layer's "
+                    "eps (Gluon's default 1e-5) — presets gluon-bn-fold-scale and gluon-bn-fold-no-scale — or "
+                    "export the net (HybridBlock.export) and fold PREFIX-0000.params with gluon-bn-fold")
+            return plain
+        norm = next((n for n in self.norms if n.gamma == _variable(gamma)), None)
+        if norm is None:
+            raise PlanError(f"no BatchNorm node of {self.symbol} reads {gamma!r} as its gamma; the rule binds "
+                            "something else, or the symbol is not this file's")
+        where = f"{self.symbol}: BatchNorm {norm.node!r}"
+        if norm.layer_weight is None or norm.layer_op not in _FOLDABLE_LAYERS:
+            raise PlanError(f"{where} normalizes the output of {norm.layer_node!r} ({norm.layer_op}), no "
+                            f"Convolution, FullyConnected or Deconvolution reading a weight: it cannot be folded "
+                            f"into {weight!r}")
+        if norm.layer_weight != _variable(weight):
+            raise PlanError(f"{where} normalizes the output of {norm.layer_node!r}, whose weight is "
+                            f"{norm.layer_weight!r}, not {weight!r}: the names pair the wrong layers; fold it with a "
+                            "rule naming that weight")
+        if op.layer not in _FOLDABLE_LAYERS[norm.layer_op]:
+            raise PlanError(f"{where} follows a {norm.layer_op}; a bn_fold with layer = {op.layer!r} would fold "
+                            f"it wrongly (use layer = {_FOLDABLE_LAYERS[norm.layer_op][0]!r})")
+        if norm.axis != 1:
+            raise PlanError(f"{where} normalizes axis {norm.axis}; bn_fold folds the channels of axis 1 (NCHW) only")
+        if op.fix_gamma in (None, "symbol"):
+            if op.eps != BnFold.eps and not math.isclose(op.eps, norm.eps, rel_tol=1e-6):
+                raise PlanError(f"the rule writes eps = {op.eps} but {where} has eps {norm.eps}; MXNet computes with "
+                                "the symbol's: leave eps out of the rule")
+            return dataclasses.replace(plain, eps=norm.eps, fix_gamma=norm.fix_gamma)
+        if op.fix_gamma != norm.fix_gamma or not math.isclose(op.eps, norm.eps, rel_tol=1e-6):
+            raise PlanError(f"the rule writes fix_gamma = {str(op.fix_gamma).lower()}, eps = {op.eps} but {where} has "
+                            f"fix_gamma {str(norm.fix_gamma).lower()}, eps {norm.eps}; MXNet computes with the symbol's: write "
+                            "fix_gamma = \"symbol\" (and no eps), or use preset gluon-bn-fold")
+        return plain
+
+
 @dataclasses.dataclass(frozen=True)
 class BnFold(Op):
     """Fold BatchNorm into the preceding conv / linear / conv_transpose layer.
@@ -354,6 +445,17 @@ class BnFold(Op):
     BatchNorm after it is left alone. Refuses tensors that are not floating point, an unknown
     layer, a weight of the wrong rank, statistics whose length is not the layer's output channels,
     and, when the step runs, var + eps that is not positive. Inverse: none (one-way).
+
+    ``fix_gamma``: ``false`` uses the file's gamma (PyTorch, Gluon's ``BatchNorm(scale=True)``);
+    ``true`` takes gamma as 1 whatever the file holds (MXNet's ``fix_gamma``, the operator's
+    default and Gluon's ``scale=False``: the file keeps a gamma MXNet ignores); ``"symbol"``
+    reads ``fix_gamma`` and ``eps`` of the BatchNorm node that reads ``gamma`` from the MXNet
+    ``-symbol.json`` beside the file (refused without one). Left out, it is ``false`` for a
+    checkpoint that is no MXNet file, ``"symbol"`` for an MXNet export, and refused for an MXNet
+    file without a symbol (a ``save_parameters`` file does not say). With a symbol, every
+    binding is checked against the graph (:class:`BatchNormFacts`): the BatchNorm must read the
+    output of the layer whose weight the rule names, and a ``fix_gamma`` or ``eps`` written in
+    the rule must be the symbol's.
 
     ``layer = "auto"`` reads the layer from the weight's rank: 2 is a linear (out, in), 3 or
     more a conv (out, in/groups, k...). A ConvTranspose weight (in, out/groups, k...) has the
@@ -393,9 +495,36 @@ class BnFold(Op):
     layer: str = "conv"
     groups: int = 1
     has_bias: bool = True
+    fix_gamma: bool | str | None = None  # None: not written (see the class docstring)
+    facts: BatchNormFacts | None = None  # what the checkpoint says of its BatchNorms (MXNet)
 
     def fold_in_graph(self, rewriter, step, values):
         rewriter.fold_batchnorm(step, values)
+
+    def params(self) -> dict:
+        """The parameters a plan and a provenance record: ``facts`` never (a step's op has
+        resolved them), ``fix_gamma`` once written or resolved."""
+        params = super().params()
+        del params["facts"]
+        if self.fix_gamma is None:
+            del params["fix_gamma"]
+        return params
+
+    def for_names(self, names: Sequence[str | None]) -> "BnFold":
+        """The op for one binding (``names``: the inputs in role order, None for an absent
+        bias): ``fix_gamma`` and ``eps`` resolved from the checkpoint's :attr:`facts`."""
+        if self.facts is not None:
+            return self.facts.resolve(self, names)
+        if self.fix_gamma == "symbol":
+            raise PlanError(f"fix_gamma = \"symbol\" reads MXNet's -symbol.json, and {names[2]!r} is no MXNet "
+                            "file's; write fix_gamma = true (gamma taken as 1) or false (gamma used)")
+        return self
+
+    def _fixed_gamma(self) -> bool:
+        if self.fix_gamma not in (None, True, False):
+            raise PlanError(f"bn_fold: fix_gamma = {self.fix_gamma!r} is unresolved; use true, false or \"symbol\" "
+                            "on an MXNet export")
+        return self.fix_gamma is True
 
     def for_present(self, present):
         """``present`` holds each input's TensorSpec (or a truthy flag), None/False when absent;
@@ -440,6 +569,7 @@ class BnFold(Op):
         specs, names = self._split(specs), self._split(names)
         present = [(s, n) for s, n in zip(specs, names) if s is not None]
         _check_float([s for s, _ in present], [n for _, n in present], "bn_fold")
+        self._fixed_gamma()
         w = specs[0]
         channels = self._channels(w.shape, names[0])
         for spec, name in zip(specs[1:], names[1:]):
@@ -457,6 +587,8 @@ class BnFold(Op):
         w, b, gamma, beta, mean, var = self._split(arrays)
         ct = compute_dtype_of(w.dtype)
         wc = w.astype(ct)
+        if self._fixed_gamma():  # MXNet's fix_gamma: what the file holds is not what it computes with
+            gamma = np.ones_like(gamma)
         gamma, beta, mean, var = (a.astype(ct) for a in (gamma, beta, mean, var))
         bc = b.astype(ct) if b is not None else np.zeros_like(mean)
         denominator = var + ct.type(self.eps)
@@ -477,6 +609,8 @@ class BnFold(Op):
         """The layer followed by ONNX's BatchNormalization beside the folded layer alone, on a
         random input ``x`` of the layer's shape."""
         w, bias, gamma, beta, mean, var = self._split(before)
+        if self._fixed_gamma():
+            gamma = np.ones_like(gamma)
         w_shape = input_specs[0].shape
         if self.layer == "linear":
             x_shape = [2, w_shape[1]]

@@ -18,7 +18,7 @@ from .variables import ConfigLookupError, Variables, checked_integer, evaluate
 _TOP_KEYS = {"version", "description", "vars", "ties", "rule", "quantization", "config"}
 _RULE_KEYS = {"name", "op", "optional", "over"}
 # op fields derived from the rule's own shape, never written by a user
-_DERIVED = {"parts", "has_bias"}
+_DERIVED = {"parts", "has_bias", "facts"}
 
 
 @dataclass(frozen=True)
@@ -394,6 +394,10 @@ def _convert(value, annotation: str, variables: _LazyVariables, where: str):
         if type(value) not in (int, float) or not math.isfinite(value):
             raise RuleError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
+    if text == "bool | str | None":  # bn_fold's fix_gamma: true, false, or read from the MXNet symbol
+        if type(value) is not bool and value != "symbol":
+            raise RuleError(f"{where}: expected true, false or \"symbol\", got {value!r}")
+        return value
     if text == "int | str":  # an integer, or a keyword such as "auto" / "none"
         if type(value) is not int and not isinstance(value, str):
             raise RuleError(f"{where}: expected an integer or a string, got {value!r}")

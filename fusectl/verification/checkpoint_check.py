@@ -27,6 +27,7 @@ from ..steps import Plan, RuleOrigin, Step, StepGroup
 from ..planner import bind_and_lift, bind_rule
 from ..rules.origin import load_origin
 from ..rules.presets import preset_names, preset_text
+from ..rules.mxnet_facts import with_checkpoint_facts
 from ..rules.schema import load_rules
 from ..table import ParamTable
 from .byte_ranges import ByteCorrespondence, RangeComparer
@@ -253,7 +254,7 @@ def _recorded_rules(group: StepGroup, reference: Checkpoint):
     found = []
     origin = group.origin
     if origin is not None:
-        ruleset = load_origin(origin, group.source)
+        ruleset = with_checkpoint_facts(load_origin(origin, group.source), reference)
         if origin.rule >= len(ruleset.rules) or ruleset.rules[origin.rule].name != group.rule:
             raise RuleError(f"{group.source} has no rule {quote(group.rule)} at index {origin.rule}")
         found.append((ruleset.rules[origin.rule], origin, reference.followers.riders(origin=origin),
@@ -274,7 +275,7 @@ def _recorded_rules(group: StepGroup, reference: Checkpoint):
 def _shipped_rule(group: StepGroup, preset: str, reference: Checkpoint):
     """(rule, origin, riders, what) of the shipped preset a group names, or why it cannot be read."""
     try:
-        ruleset = load_rules(preset_text(preset), group.source, reference.config)
+        ruleset = with_checkpoint_facts(load_rules(preset_text(preset), group.source, reference.config), reference)
     except RuleError as e:
         return f"the provenance names preset {preset}, which does not load here ({e})"
     index = next((k for k, r in enumerate(ruleset.rules) if r.name == group.rule), None)
