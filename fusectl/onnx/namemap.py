@@ -1,9 +1,11 @@
 """Pair a checkpoint's structural names with an ONNX graph's initializers.
 
-Exporters rename: a wrapper adds a prefix (``model.``), and the TorchScript and dynamo
+Exporters rename: a wrapper adds a prefix (``model.``), MXNet's exporter (mx2onnx) drops the
+``arg:``/``aux:`` of an export's ``.params`` names, and the TorchScript and dynamo
 exporters constant-fold each Linear weight into an anonymous transposed initializer
 (``onnx::MatMul_922``, ``val_90``). So pairs are found by name (allowing one common prefix
-on either side), then by equal content, then by equal transposed content. Content is
+on either side, and a checkpoint name without its ``arg:``/``aux:``), then by equal content,
+then by equal transposed content. Content is
 compared by hashing (dtype, shape, bytes) once per tensor, never pair by pair.
 """
 
@@ -14,7 +16,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..checkpoint_map import common_prefix, digest as _digest
+from ..checkpoint_map import MXNET_PREFIXES, common_prefix, digest as _digest
 from ..table import ParamTable
 from ..tensors import LazyTensor
 
@@ -151,16 +153,22 @@ def map_names(
     # a name says what an initializer was called, not what it holds: exporters reuse checkpoint
     # names for folded values (dynamo's Conv+BatchNorm fusion keeps ``conv1.weight``), so every
     # pair by name is checked against the data
-    for name in names:
-        if not name.startswith(ckpt_prefix):
-            continue
-        candidate = graph_prefix + name[len(ckpt_prefix):]
-        if candidate in initializers and candidate not in matched_graph and id(table[name]) not in matched_unique:
-            dtype, shape = initializer_specs[candidate]
-            tensor = table[name]
-            spec = tensor.spec
-            if (dtype, tuple(shape)) == (str(spec.dtype.numpy), spec.shape):
-                add(id(tensor), candidate, "name", _same_data(tensor, initializers[candidate]))
+    # the name as it is first; then, for what is left, an MXNet name without its arg:/aux:
+    # (mx2onnx names the initializer of ``arg:convbn_conv0_weight`` ``convbn_conv0_weight``)
+    for bare in (False, True):
+        for name in names:
+            if bare and not name.startswith(MXNET_PREFIXES):
+                continue
+            key = name[len("arg:"):] if bare else name
+            if not key.startswith(ckpt_prefix):
+                continue
+            candidate = graph_prefix + key[len(ckpt_prefix):]
+            if candidate in initializers and candidate not in matched_graph and id(table[name]) not in matched_unique:
+                dtype, shape = initializer_specs[candidate]
+                tensor = table[name]
+                spec = tensor.spec
+                if (dtype, tuple(shape)) == (str(spec.dtype.numpy), spec.shape):
+                    add(id(tensor), candidate, "name", _same_data(tensor, initializers[candidate]))
 
     remaining = [n for n in initializers if n not in matched_graph]
     wanted_specs = {(str(t.spec.dtype.numpy), t.spec.shape) for _, t in table.unique()}
