@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ok, snapshot, write_rules, write_safetensors
+from conftest import FIXTURES, ok, refused, snapshot, write_rules, write_safetensors
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -143,6 +143,8 @@ def test_folding_the_ignored_gamma_fails_verify(cli, work):
     """The negative control: the scale=False net folded with its stored gamma (fix_gamma false,
     possible only once the symbol is left behind) exports, and verify fails; it is far off MXNet."""
     write_rules(work / "stored-gamma.toml", STORED_GAMMA_RULES)
+    refused(run(cli, "fusectl fuse bn-noscale-0000.params -r stored-gamma.toml -o wrong.params"),
+            "has fix_gamma true", unwritten=[work / "wrong.params"])
     for command in STORED_GAMMA[:-1]:
         ok(run(cli, command))
     result = run(cli, STORED_GAMMA[-1])
