@@ -209,11 +209,15 @@ def report(runs, labels, sizes_bytes, floor_kb):
         out.append("")
     out.append(f"* = at the measuring wrapper's floor ({floor_kb * 1024 / MB:.1f} MB): at most this")
     for label in labels:
+        if (label, "verify") not in med or (label, "read") not in med:
+            continue
         ratio = med[label, "verify"][0] / med[label, "read"][0]
         verdict = "within" if ratio <= VERIFY_RATIO_GOAL else "OVER"
         out.append(f"{label}: verify / read (median wall) = {ratio:.2f}x "
                    f"({verdict} the {VERIFY_RATIO_GOAL:g}x goal)")
     for label in labels:
+        if (label, "verify") not in med:
+            continue
         rss = med[label, "verify"][1]
         verdict = "within" if rss <= VERIFY_RSS_GOAL_MB else "OVER"
         out.append(f"{label}: verify peak RSS (median) = {rss:.0f} MB ({verdict} the {VERIFY_RSS_GOAL_MB} MB goal)")
@@ -221,6 +225,8 @@ def report(runs, labels, sizes_bytes, floor_kb):
         lo, hi = min(labels, key=sizes_bytes.get), max(labels, key=sizes_bytes.get)
         extra_gb = (sizes_bytes[hi] - sizes_bytes[lo]) / 1e9
         for method in ("fuse-split-transpose", "verify"):
+            if (lo, method) not in med or (hi, method) not in med:
+                continue
             r_lo, r_hi = med[lo, method][1], med[hi, method][1]
             flat = "flat" if abs(r_hi - r_lo) <= FLAT_RSS_MB else "GROWS"
             goal = f" ({flat}: goal within {FLAT_RSS_MB} MB)" if method == "fuse-split-transpose" else ""
@@ -238,6 +244,8 @@ def main(argv=None):
                                      epilog="See the top of this file for what is measured and how.")
     fuse_bench.add_common_arguments(parser, repeat=3)
     parser.add_argument("--refresh", action="store_true", help="re-make the cached fused outputs")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, from {', '.join(METHODS)} (default: all)")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -251,6 +259,9 @@ def main(argv=None):
         parser.error(f"--sizes: unknown or no size {unknown}; choose from {', '.join(SIZES)}")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in METHODS for m in methods):
+        parser.error(f"--methods: choose from {', '.join(METHODS)}")
     fusectl = args.fusectl or fuse_bench.find_fusectl()
     workdir = os.path.abspath(args.workdir)
     out_dir = os.path.join(workdir, "out")
@@ -282,7 +293,7 @@ def main(argv=None):
 
     runs, checked = [], set()
     for rep in range(-args.warmup, args.repeat):
-        order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
+        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
         name = f"rep {rep + 1}/{args.repeat}" if rep >= 0 else "warm-up"
         for label in labels:
             for method in order:

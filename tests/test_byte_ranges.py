@@ -50,6 +50,53 @@ def test_comparer_finds_equal_and_different_bytes_across_chunk_boundaries(files,
         comparer.close()
 
 
+@pytest.fixture
+def big(tmp_path):
+    """Two files of equal random bytes, each 2.5 windows of 8 KiB past a 3-byte header."""
+    data = np.random.default_rng(1).integers(0, 256, 3 + 20480, dtype=np.uint8).tobytes()
+    a, b = tmp_path / "big-a.bin", tmp_path / "big-b.bin"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    return a, b, data
+
+
+@pytest.mark.parametrize("where", [3, 3 + 8191, 3 + 8192, 3 + 16383, 3 + 16384, 3 + 20479],
+                         ids=["first", "window-end", "window-start", "2nd-window-end", "3rd-window-start", "last"])
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_one_byte_anywhere_in_a_multi_window_range_differs(big, where, mapped, monkeypatch):
+    """A range of several windows (offset not on a page) differs by one bit: at the first byte,
+    on each side of a window boundary, at the last byte; mapped, and read where it cannot be."""
+    monkeypatch.setattr(byte_ranges, "CHUNK", 8192)
+    if not mapped:
+        def refuse(*args):
+            raise OSError("no mmap here")
+        monkeypatch.setattr(byte_ranges, "_Mapped", refuse)
+    a, b, data = big
+    ranges = lambda path: [ByteRange(str(path), 3, 20480)]  # noqa: E731
+    comparer = RangeComparer()
+    try:
+        assert comparer.equal(ranges(a), ranges(b))
+        b.write_bytes(data[:where] + bytes([data[where] ^ 0x80]) + data[where + 1:])
+        assert not comparer.equal(ranges(a), ranges(b))
+    finally:
+        comparer.close()
+
+
+def test_a_one_byte_difference_in_a_multi_window_tensor_fails_naming_it(tmp_path, monkeypatch):
+    """Through verify's table comparison: the tensor whose last byte differs fails, by name,
+    with the figures of its computed comparison; the equal one passes bitwise."""
+    monkeypatch.setattr(byte_ranges, "CHUNK", 4096)
+    x = np.random.default_rng(2).standard_normal((64, 100)).astype(np.float32)  # 6.25 windows
+    y = x.copy()
+    y.reshape(-1).view(np.uint8)[-1] ^= 1
+    ref = _table(tmp_path, "r.safetensors", {"same": x, "w": x})
+    cand = _table(tmp_path, "c.safetensors", {"same": x, "w": y})
+    checks = {c.name: c for c in compare_tables("tensor", ref, cand, None, None)}
+    assert checks["same"].passed and checks["same"].detail == "bitwise"
+    assert not checks["w"].passed and checks["w"].comparison.mismatches == 1
+    assert checks["w"].comparison.first_mismatch == [63, 99]
+
+
 def test_comparer_names_a_file_that_is_shorter_than_its_ranges(files):
     a, b, _ = files
     comparer = RangeComparer()
@@ -90,8 +137,9 @@ def test_a_proven_pair_is_not_read_again_and_an_unproven_one_is(tmp_path, monkey
     proof.freeze()
 
     reads = []
-    original = os.preadv
+    original, mapped = os.preadv, byte_ranges._Mapped
     monkeypatch.setattr(os, "preadv", lambda *args: reads.append(args[0]) or original(*args))
+    monkeypatch.setattr(byte_ranges, "_Mapped", lambda *args: reads.append(args[0]) or mapped(*args))
     again = compare_tables("inverse", ref, cand, None, None, proven=proof)
     assert [c.passed for c in again] == [True, True] and reads == []
     swapped = cand.copy()
