@@ -12,10 +12,15 @@
 6. a training checkpoint's optimizer state: the plan's steps lifted to the reference's state,
    each state tensor compared as in 1 (kind ``state``), the parameters, param groups and
    numbers checked (``optimizer_check``).
+
+1 and 2 (the byte comparisons, which read the most and mostly wait on memory with the GIL
+released) run on a thread while 3 to 6 run: the report is the same as when they run in turn,
+and an error of 1 or 2 is the one raised when both fail.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -104,6 +109,49 @@ def tie_checks(expected: ParamTable, actual: ParamTable) -> list[Check]:
     return checks
 
 
+class _Background:
+    """``work()`` on a thread from now; ``result()`` waits for it and returns its value or
+    raises its error."""
+
+    def __init__(self, work):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="fusectl-compare", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self._value = work()
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self):
+        """The work's value, once it is done; its error raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _tensors_and_inverse(reference: ParamTable, expected: ParamTable, candidate: Checkpoint, plan: Plan,
+                         atol, rtol) -> list[Check]:
+    """Steps 1 and 2 of the module doc: the replayed reference against the candidate, then the
+    inverse of the candidate against the reference (reading only bytes not proven already)."""
+    proven = ByteCorrespondence()
+    checks = compare_tables("tensor", expected, candidate.table, atol, rtol, record=proven)
+    proven.freeze()
+    if any(s.inverse() is None for s in plan.steps):
+        checks.append(Check("inverse", "unfuse", True, detail="skipped: the plan has a one-way step"))
+    elif not all(s.op.exact for s in plan.steps):
+        checks.append(Check("inverse", "unfuse", True, detail=(
+            "skipped: a numeric step's inverse gives an equivalent parametrization, not the input")))
+    else:
+        # the inverse maps candidate bytes back: where it maps them onto the reference bytes the
+        # tensor comparison proved equal, nothing is read again
+        back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
+        checks += compare_tables("inverse", reference, back, atol, rtol, proven=proven)
+    return checks
+
+
 def verify_checkpoints(
     reference: Checkpoint,
     candidate: Checkpoint,
@@ -127,34 +175,32 @@ def verify_checkpoints(
     except PlanError as e:
         raise VerifyError(f"the candidate's plan does not apply to {reference.path}: {e}") from e
     report = VerifyReport("checkpoint", reference.path, candidate.path, seed=seed)
-    proven = ByteCorrespondence()
-    report.checks += compare_tables("tensor", expected, candidate.table, atol, rtol, record=proven)
-    proven.freeze()
-    if any(s.inverse() is None for s in plan.steps):
-        report.checks.append(Check("inverse", "unfuse", True, detail="skipped: the plan has a one-way step"))
-    elif not all(s.op.exact for s in plan.steps):
-        report.checks.append(Check("inverse", "unfuse", True, detail=(
-            "skipped: a numeric step's inverse gives an equivalent parametrization, not the input")))
-    else:
-        # the inverse maps candidate bytes back: where it maps them onto the reference bytes the
-        # tensor comparison proved equal, nothing is read again
-        back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
-        report.checks += compare_tables("inverse", reference.table, back, atol, rtol, proven=proven)
-    report.checks += tie_checks(expected, candidate.table)
-    replay = optimizer_replay(reference, candidate, plan)
-    if replay is not None:
-        if replay.tables is not None:
-            report.checks += compare_tables("state", *replay.tables, atol, rtol)
-        report.checks += replay.checks
-        report.optimizer = replay.summary(report.checks)
-    if recorded:
-        report.checks += rule_checks(reference, plan, adapter=lora_base is not None)
-    probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
-                                      reference.followers.of("scales").scheme)
+    # the byte comparisons (GIL free: file pages compared in place) run beside the rest, which
+    # imports onnxruntime and runs the probes; the report keeps the order of a sequential run
+    compared = _Background(lambda: _tensors_and_inverse(reference.table, expected, candidate, plan, atol, rtol))
+    try:
+        later = tie_checks(expected, candidate.table)
+        replay = optimizer_replay(reference, candidate, plan)
+        if replay is not None:
+            if replay.tables is not None:
+                later += compare_tables("state", *replay.tables, atol, rtol)
+            later += replay.checks
+        if recorded:
+            later += rule_checks(reference, plan, adapter=lora_base is not None)
+        probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
+                                          reference.followers.of("scales").scheme)
+        later += probe_checks
+        if lora_base is not None:
+            later += adapter_probes(lora_base, reference, candidate, chosen, seed, atol, rtol)
+    except KeyboardInterrupt:
+        raise  # not kept waiting for the comparison (its thread is a daemon)
+    except BaseException:
+        compared.result()  # its error first, as when it ran first; else this one
+        raise
+    report.checks += compared.result() + later
     report.provider = chosen
-    report.checks += probe_checks
-    if lora_base is not None:
-        report.checks += adapter_probes(lora_base, reference, candidate, chosen, seed, atol, rtol)
+    if replay is not None:
+        report.optimizer = replay.summary(report.checks)
     return report
 
 
