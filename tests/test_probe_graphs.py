@@ -96,3 +96,23 @@ def test_checkpoint_verify_imports_neither_onnx_nor_ml_dtypes(tmp_path):
                          cwd=ROOT, check=True).stdout
     loaded = {m.split(".")[0] for m in eval(out)}
     assert loaded == {"onnxruntime"}
+
+
+def test_bf16_probe_data_is_read_as_bits_and_widened_exactly(tmp_path):
+    """A bf16 tensor held in a file reaches the probe as ml_dtypes' own float32 conversion, bit
+    for bit (signed zeros, subnormals, infinities, NaN payloads), whole or cut to its columns."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from fusectl.executor import Evaluation
+    from fusectl.io.checkpoint import open_checkpoint
+    from fusectl.verification.probes import _columns, _probe_data
+
+    bits = np.random.default_rng(3).integers(0, 1 << 16, (70, 90), dtype=np.uint16)
+    bits[0, :6] = [0x0000, 0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC1]  # ±0, subnormal, ±inf, a NaN
+    save_file({"w": bits.view(ml_dtypes.bfloat16)}, str(tmp_path / "m.safetensors"))
+    tensor = open_checkpoint(str(tmp_path / "m.safetensors")).table["w"]
+    want = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    for cut in (lambda a: a, _columns):
+        got = _probe_data(Evaluation([tensor]), tensor, cut)
+        assert got.dtype == np.float32 and got.tobytes() == np.ascontiguousarray(cut(want)).tobytes()

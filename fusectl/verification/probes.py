@@ -21,13 +21,13 @@ from typing import Sequence
 
 import numpy as np
 
-from ..dtypes import TensorProto, from_numpy
+from ..dtypes import BY_NAME, TensorProto, from_numpy
 from ..executor import Evaluation, walk
 from ..ops.dequantize import expand_scale, scale_grid
 from ..followers.scales import QuantScheme, scale_step_of
 from ..steps import Plan, Step
 from ..table import ParamTable
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, read_ranges
 from ..tolerance import default_tolerance
 from .compare import compare
 from .report import Check
@@ -272,8 +272,8 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
             # each tensor is cut to the window as it is read: one whole tensor held at a time
             cut = _columns if window else (lambda a: a)
             m_in, m_out = Evaluation(ins), Evaluation(outs)
-            probe = build_probe(step, [cut(m_in.array(t)) for t in ins], [cut(m_out.array(t)) for t in outs],
-                                seed, window)
+            probe = build_probe(step, [_probe_data(m_in, t, cut) for t in ins],
+                                [_probe_data(m_out, t, cut) for t in outs], seed, window)
             if probe is None:
                 continue
             check = _run_probe(probe, group.describe(), chosen, atol, rtol)
@@ -294,6 +294,20 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
                                                      f"with {scaled.op.kind} of its scales"),
                                              group.describe(), chosen, atol, rtol))
     return checks, chosen
+
+
+_BF16, _U16 = BY_NAME["BF16"], BY_NAME["U16"]
+
+
+def _probe_data(evaluation: Evaluation, tensor, cut) -> np.ndarray:
+    """The data of ``tensor`` cut to the probe's window. A bf16 tensor held as file ranges is read
+    as its bits and widened to float32 here, which is exact (bf16 is the top half of a float32)
+    and what the graph's initializer holds anyway: the probe then needs no ml_dtypes."""
+    ranges = tensor.byte_ranges() if tensor.spec.dtype == _BF16 else None
+    if ranges is None:
+        return cut(evaluation.array(tensor))
+    bits = cut(read_ranges(ranges, TensorSpec(_U16, tensor.spec.shape)))
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _dequantized(weight: np.ndarray, scale: np.ndarray, scheme: QuantScheme, window) -> np.ndarray:
