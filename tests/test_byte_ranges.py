@@ -11,7 +11,7 @@ import pytest
 
 from fusectl.errors import CheckpointError
 from fusectl.tensors import ByteRange
-from fusectl.verification.byte_ranges import ByteCorrespondence, RangeComparer, Segment, aligned
+from fusectl.verification.byte_ranges import ByteCorrespondence, RangeComparer, Segment, aligned, equal_pairs
 from fusectl.verification.checkpoint_check import compare_tables
 
 # fusectl.verify is also the API function: reach the module through the import system
@@ -103,6 +103,22 @@ def test_comparer_names_a_file_that_is_shorter_than_its_ranges(files):
     with pytest.raises(CheckpointError, match="b.bin: expected 100 bytes at offset 950"):
         comparer.equal([ByteRange(a, 0, 100)], [ByteRange(b, 950, 100)])
     comparer.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_pairs_shared_among_threads_answer_as_in_turn(files, workers, monkeypatch):
+    monkeypatch.setattr(byte_ranges, "WORKERS", workers)
+    monkeypatch.setattr(byte_ranges, "CHUNK", 64)
+    a, b, _ = files
+    whole = [ByteRange(a, 0, 1000)]
+    pairs = [(whole, [ByteRange(b, 500, 500), ByteRange(b, 0, 500)]), (whole, [ByteRange(b, 0, 1000)])] * 5
+    assert equal_pairs(pairs) == [True, False] * 5
+    assert equal_pairs([]) == []
+    # two pairs reach past the end of b: the first of them is the error raised
+    short = pairs[:3] + [([ByteRange(a, 0, 100)], [ByteRange(b, 950, 100)])] + pairs[:3] + [
+        ([ByteRange(a, 0, 100)], [ByteRange(b, 990, 100)])]
+    with pytest.raises(CheckpointError, match="expected 100 bytes at offset 950"):
+        equal_pairs(short)
 
 
 def test_correspondence_covers_only_bytes_proven_with_the_same_pairing():

@@ -1,16 +1,20 @@
-"""Bitwise comparison of tensors held as file ranges, streamed in chunks, and the proof it leaves.
+"""Bitwise comparison of tensors held as file ranges, in place, and the proof it leaves.
 
 Comparing two layout-only tables is a comparison of file bytes: no tensor is decoded or held
-whole. Each equal pair of tensors proves that some bytes of the reference's files equal some
-bytes of the candidate's (:class:`ByteCorrespondence`); a later check whose pairs of ranges all
-fall inside proven ones (the inverse of the same plan) holds without reading anything again.
+whole. The bytes are compared where they lie in the page cache, window by window through
+read-only mappings (``RangeComparer``), by a few threads at once (``equal_pairs``). Each equal
+pair of tensors proves that some bytes of the reference's files equal some bytes of the
+candidate's (:class:`ByteCorrespondence`); a later check whose pairs of ranges all fall inside
+proven ones (the inverse of the same plan) holds without reading anything again.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import mmap
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -192,6 +196,8 @@ class RangeComparer:
         """Whether the bytes of ``left`` and ``right`` (range lists of one length) are equal,
         compared window by window (the first window that differs ends it)."""
         for seg in aligned(left, right):
+            self._files[0].check(seg.left, seg.left_offset, seg.length)  # the whole of it, named
+            self._files[1].check(seg.right, seg.right_offset, seg.length)
             done = 0
             while done < seg.length:
                 n = min(CHUNK, seg.length - done)
@@ -204,6 +210,44 @@ class RangeComparer:
         """Close the files both sides opened."""
         for files in self._files:
             files.close()
+
+
+WORKERS = 2  # threads comparing pairs at once (memcmp runs without the GIL)
+
+
+def equal_pairs(pairs: Sequence[tuple[Sequence[ByteRange], Sequence[ByteRange]]]) -> list[bool]:
+    """For each (left, right) pair of range lists, whether their bytes are equal: the pairs are
+    shared among up to ``WORKERS`` threads, each with its own :class:`RangeComparer`. The answers
+    are those of comparing the pairs in turn; when pairs raise, the error of the first raises."""
+    results: list[bool | None] = [None] * len(pairs)
+    errors: dict[int, BaseException] = {}
+    claim = itertools.count()  # next() is atomic under the GIL
+
+    def work() -> None:
+        comparer = RangeComparer()
+        try:
+            while not errors:
+                k = next(claim)
+                if k >= len(pairs):
+                    return
+                try:
+                    results[k] = comparer.equal(*pairs[k])
+                except BaseException as e:  # handed to the caller below
+                    errors[k] = e
+                    return
+        finally:
+            comparer.close()
+
+    threads = [threading.Thread(target=work, name=f"fusectl-compare-{k}", daemon=True)
+               for k in range(min(WORKERS, len(pairs)) - 1)]
+    for thread in threads:
+        thread.start()
+    work()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[min(errors)]
+    return results
 
 
 @dataclass

@@ -34,7 +34,7 @@ from ..rules.origin import load_origin
 from ..rules.presets import preset_names, preset_text
 from ..rules.schema import load_rules
 from ..table import ParamTable
-from .byte_ranges import ByteCorrespondence, RangeComparer
+from .byte_ranges import ByteCorrespondence, equal_pairs
 from .compare import check_tolerance, compare
 from .adapter_probes import adapter_probes
 from .optimizer_check import optimizer_replay
@@ -54,8 +54,9 @@ def compare_tables(kind: str, expected: ParamTable, actual: ParamTable, atol: fl
     """Tensor by tensor: names, dtypes and shapes, then data (bitwise where every step that made
     both sides moves bytes, else within tolerance).
 
-    Pairs held as file ranges on both sides are compared as bytes, streamed (equal pairs are
-    added to ``record``); a pair whose bytes ``proven`` already covers is not read at all. The
+    Pairs held as file ranges on both sides are compared as bytes in place (``equal_pairs``;
+    equal pairs are added to ``record``); a pair whose bytes ``proven`` already covers is not
+    read at all. The
     rest are computed (each task freed after its last use) and compared as arrays.
     """
     missing = []
@@ -65,25 +66,27 @@ def compare_tables(kind: str, expected: ParamTable, actual: ParamTable, atol: fl
     common = [n for n in expected.names() if n in actual]
     checks: list[Check] = []
     computed = []
-    comparer = RangeComparer()
-    try:
-        for name in common:
-            if expected.spec(name) != actual.spec(name):
-                checks.append(Check(kind, name, False,
-                                    detail=f"expected {expected.spec(name)}, found {actual.spec(name)}"))
-                continue
-            want, got = expected[name], actual[name]
-            ranges = (want.byte_ranges(), got.byte_ranges()) if is_exact(want) and is_exact(got) else (None, None)
-            if None in ranges:
-                computed.append(name)
-            elif (proven is not None and proven.covers(*ranges)) or comparer.equal(*ranges):
-                if record is not None:
-                    record.add(*ranges)
-                checks.append(Check(kind, name, True, detail="bitwise"))
-            else:
-                computed.append(name)  # differs: computed below, for the report's figures
-    finally:
-        comparer.close()
+    to_compare = []  # (name, (expected ranges, actual ranges)) not proven already
+    for name in common:
+        if expected.spec(name) != actual.spec(name):
+            checks.append(Check(kind, name, False,
+                                detail=f"expected {expected.spec(name)}, found {actual.spec(name)}"))
+            continue
+        want, got = expected[name], actual[name]
+        ranges = (want.byte_ranges(), got.byte_ranges()) if is_exact(want) and is_exact(got) else (None, None)
+        if None in ranges:
+            computed.append(name)
+        elif proven is not None and proven.covers(*ranges):
+            checks.append(Check(kind, name, True, detail="bitwise"))
+        else:
+            to_compare.append((name, ranges))
+    for (name, ranges), same in zip(to_compare, equal_pairs([r for _, r in to_compare])):
+        if same:
+            if record is not None:
+                record.add(*ranges)
+            checks.append(Check(kind, name, True, detail="bitwise"))
+        else:
+            computed.append(name)  # differs: computed below, for the report's figures
     want_eval = Evaluation([expected[n] for n in computed])
     got_eval = Evaluation([actual[n] for n in computed])
     for name in computed:
