@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import CheckpointError
 from ..tensors import ByteRange
 
-CHUNK = 8 << 20  # bytes compared at a time, per side
+CHUNK = 4 << 20  # bytes compared at a time, per side (mapped, then unmapped: resident meanwhile)
 
 
 def _libc_memcmp():
