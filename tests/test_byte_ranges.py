@@ -82,6 +82,27 @@ def test_one_byte_anywhere_in_a_multi_window_range_differs(big, where, mapped, m
         comparer.close()
 
 
+def test_a_file_that_shrinks_between_windows_is_named_not_mapped_past_its_end(big, monkeypatch):
+    """A file truncated while it is compared, before its next window, raises CheckpointError
+    naming it and the window (each window is mapped only once the file holds it: a mapping
+    read past the file's end would raise SIGBUS)."""
+    monkeypatch.setattr(byte_ranges, "CHUNK", 8192)
+    a, b, data = big
+    same = byte_ranges._same
+
+    def truncate_after_first(x, y):
+        os.truncate(b, 3 + 10000)
+        return same(x, y)
+
+    monkeypatch.setattr(byte_ranges, "_same", truncate_after_first)
+    comparer = RangeComparer()
+    try:
+        with pytest.raises(CheckpointError, match=r"big-b.bin: expected 8192 bytes at offset 8195, got 1808"):
+            comparer.equal([ByteRange(str(a), 3, 20480)], [ByteRange(str(b), 3, 20480)])
+    finally:
+        comparer.close()
+
+
 def test_a_one_byte_difference_in_a_multi_window_tensor_fails_naming_it(tmp_path, monkeypatch):
     """Through verify's table comparison: the tensor whose last byte differs fails, by name,
     with the figures of its computed comparison; the equal one passes bitwise."""
