@@ -814,7 +814,6 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     """
     from .verification.checkpoint_check import lora_base_for, plan_for, verify_checkpoints
     from .verification.inputs_file import load_inputs_file
-    from .verification.model_check import model_input_paths, verify_models
     from .verification.report import check_report_destinations
 
     def is_graph(path) -> bool:
@@ -832,6 +831,9 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
         raise VerifyError(f"{option_name(order)} orders a training checkpoint's optimizer; it does not apply to "
                           ".onnx models")
     if all(graphs):
+        # imported here: checkpoints never need what graphs do (onnx, onnx-ir, ml_dtypes)
+        from .verification.model_check import model_input_paths, verify_models
+
         reference, candidate = os.fspath(reference), os.fspath(candidate)
         inputs_path = os.fspath(inputs) if isinstance(inputs, (str, os.PathLike)) else None
         sources = [*model_input_paths(reference), *model_input_paths(candidate), *named,

@@ -11,7 +11,7 @@ import pytest
 
 from fusectl.errors import CheckpointError
 from fusectl.tensors import ByteRange
-from fusectl.verification.byte_ranges import ByteCorrespondence, RangeComparer, Segment, aligned
+from fusectl.verification.byte_ranges import ByteCorrespondence, RangeComparer, Segment, aligned, equal_pairs
 from fusectl.verification.checkpoint_check import compare_tables
 
 # fusectl.verify is also the API function: reach the module through the import system
@@ -50,12 +50,96 @@ def test_comparer_finds_equal_and_different_bytes_across_chunk_boundaries(files,
         comparer.close()
 
 
+@pytest.fixture
+def big(tmp_path):
+    """Two files of equal random bytes, each 2.5 windows of 8 KiB past a 3-byte header."""
+    data = np.random.default_rng(1).integers(0, 256, 3 + 20480, dtype=np.uint8).tobytes()
+    a, b = tmp_path / "big-a.bin", tmp_path / "big-b.bin"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    return a, b, data
+
+
+@pytest.mark.parametrize("where", [3, 3 + 8191, 3 + 8192, 3 + 16383, 3 + 16384, 3 + 20479],
+                         ids=["first", "window-end", "window-start", "2nd-window-end", "3rd-window-start", "last"])
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_one_byte_anywhere_in_a_multi_window_range_differs(big, where, mapped, monkeypatch):
+    """A range of several windows (offset not on a page) differs by one bit: at the first byte,
+    on each side of a window boundary, at the last byte; mapped, and read where it cannot be."""
+    monkeypatch.setattr(byte_ranges, "CHUNK", 8192)
+    if not mapped:
+        def refuse(*args):
+            raise OSError("no mmap here")
+        monkeypatch.setattr(byte_ranges, "_Mapped", refuse)
+    a, b, data = big
+    ranges = lambda path: [ByteRange(str(path), 3, 20480)]  # noqa: E731
+    comparer = RangeComparer()
+    try:
+        assert comparer.equal(ranges(a), ranges(b))
+        b.write_bytes(data[:where] + bytes([data[where] ^ 0x80]) + data[where + 1:])
+        assert not comparer.equal(ranges(a), ranges(b))
+    finally:
+        comparer.close()
+
+
+def test_a_file_that_shrinks_between_windows_is_named_not_mapped_past_its_end(big, monkeypatch):
+    """A file truncated while it is compared, before its next window, raises CheckpointError
+    naming it and the window (each window is mapped only once the file holds it: a mapping
+    read past the file's end would raise SIGBUS)."""
+    monkeypatch.setattr(byte_ranges, "CHUNK", 8192)
+    a, b, data = big
+    same = byte_ranges._same
+
+    def truncate_after_first(x, y):
+        os.truncate(b, 3 + 10000)
+        return same(x, y)
+
+    monkeypatch.setattr(byte_ranges, "_same", truncate_after_first)
+    comparer = RangeComparer()
+    try:
+        with pytest.raises(CheckpointError, match=r"big-b.bin: expected 8192 bytes at offset 8195, got 1808"):
+            comparer.equal([ByteRange(str(a), 3, 20480)], [ByteRange(str(b), 3, 20480)])
+    finally:
+        comparer.close()
+
+
+def test_a_one_byte_difference_in_a_multi_window_tensor_fails_naming_it(tmp_path, monkeypatch):
+    """Through verify's table comparison: the tensor whose last byte differs fails, by name,
+    with the figures of its computed comparison; the equal one passes bitwise."""
+    monkeypatch.setattr(byte_ranges, "CHUNK", 4096)
+    x = np.random.default_rng(2).standard_normal((64, 100)).astype(np.float32)  # 6.25 windows
+    y = x.copy()
+    y.reshape(-1).view(np.uint8)[-1] ^= 1
+    ref = _table(tmp_path, "r.safetensors", {"same": x, "w": x})
+    cand = _table(tmp_path, "c.safetensors", {"same": x, "w": y})
+    checks = {c.name: c for c in compare_tables("tensor", ref, cand, None, None)}
+    assert checks["same"].passed and checks["same"].detail == "bitwise"
+    assert not checks["w"].passed and checks["w"].comparison.mismatches == 1
+    assert checks["w"].comparison.first_mismatch == [63, 99]
+
+
 def test_comparer_names_a_file_that_is_shorter_than_its_ranges(files):
     a, b, _ = files
     comparer = RangeComparer()
     with pytest.raises(CheckpointError, match="b.bin: expected 100 bytes at offset 950"):
         comparer.equal([ByteRange(a, 0, 100)], [ByteRange(b, 950, 100)])
     comparer.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_pairs_shared_among_threads_answer_as_in_turn(files, workers, monkeypatch):
+    monkeypatch.setattr(byte_ranges, "WORKERS", workers)
+    monkeypatch.setattr(byte_ranges, "CHUNK", 64)
+    a, b, _ = files
+    whole = [ByteRange(a, 0, 1000)]
+    pairs = [(whole, [ByteRange(b, 500, 500), ByteRange(b, 0, 500)]), (whole, [ByteRange(b, 0, 1000)])] * 5
+    assert equal_pairs(pairs) == [True, False] * 5
+    assert equal_pairs([]) == []
+    # two pairs reach past the end of b: the first of them is the error raised
+    short = pairs[:3] + [([ByteRange(a, 0, 100)], [ByteRange(b, 950, 100)])] + pairs[:3] + [
+        ([ByteRange(a, 0, 100)], [ByteRange(b, 990, 100)])]
+    with pytest.raises(CheckpointError, match="expected 100 bytes at offset 950"):
+        equal_pairs(short)
 
 
 def test_correspondence_covers_only_bytes_proven_with_the_same_pairing():
@@ -90,8 +174,9 @@ def test_a_proven_pair_is_not_read_again_and_an_unproven_one_is(tmp_path, monkey
     proof.freeze()
 
     reads = []
-    original = os.preadv
+    original, mapped = os.preadv, byte_ranges._Mapped
     monkeypatch.setattr(os, "preadv", lambda *args: reads.append(args[0]) or original(*args))
+    monkeypatch.setattr(byte_ranges, "_Mapped", lambda *args: reads.append(args[0]) or mapped(*args))
     again = compare_tables("inverse", ref, cand, None, None, proven=proof)
     assert [c.passed for c in again] == [True, True] and reads == []
     swapped = cand.copy()

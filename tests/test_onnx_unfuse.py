@@ -16,7 +16,6 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime
 import pytest
-from onnx import helper
 from safetensors.numpy import save_file
 
 from fusectl.io.checkpoint import open_checkpoint
@@ -124,14 +123,11 @@ def planned_step(tmp_path, rules_text: str, tensors: dict[str, np.ndarray]) -> S
 
 
 def unfuse_with_graph_builder(step: Step, fused: list[np.ndarray]) -> list[np.ndarray]:
-    """As the probes build it: onnx.helper nodes, the fused tensors as initializers."""
+    """As the probes build it: the fused tensors as initializers."""
     b = GraphBuilder()
     recovered = unfuse(b, step, [b.const(a, "p") for a in fused])
     for k, (value, spec) in enumerate(zip(recovered, step.input_specs)):
-        # GraphBuilder.output declares float32; declare the step's own dtype instead
-        b.nodes.append(helper.make_node("Identity", [value], [f"y{k}"]))
-        b.outputs.append(helper.make_tensor_value_info(
-            f"y{k}", helper.np_dtype_to_tensor_dtype(spec.dtype.numpy), list(spec.shape)))
+        b.output(value, f"y{k}", spec)  # declared as the step's own dtype and shape
     return run_model(b.model(), {})
 
 

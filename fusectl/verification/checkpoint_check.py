@@ -12,10 +12,15 @@
 6. a training checkpoint's optimizer state: the plan's steps lifted to the reference's state,
    each state tensor compared as in 1 (kind ``state``), the parameters, param groups and
    numbers checked (``optimizer_check``).
+
+1 and 2 (the byte comparisons, which read the most and mostly wait on memory with the GIL
+released) run on a thread while 3 to 6 run: the report is the same as when they run in turn,
+and an error of 1 or 2 is the one raised when both fail.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -30,7 +35,7 @@ from ..rules.presets import preset_names, preset_text
 from ..rules.mxnet_facts import with_checkpoint_facts
 from ..rules.schema import load_rules
 from ..table import ParamTable
-from .byte_ranges import ByteCorrespondence, RangeComparer
+from .byte_ranges import ByteCorrespondence, equal_pairs
 from .compare import check_tolerance, compare
 from .adapter_probes import adapter_probes
 from .optimizer_check import optimizer_replay
@@ -50,8 +55,9 @@ def compare_tables(kind: str, expected: ParamTable, actual: ParamTable, atol: fl
     """Tensor by tensor: names, dtypes and shapes, then data (bitwise where every step that made
     both sides moves bytes, else within tolerance).
 
-    Pairs held as file ranges on both sides are compared as bytes, streamed (equal pairs are
-    added to ``record``); a pair whose bytes ``proven`` already covers is not read at all. The
+    Pairs held as file ranges on both sides are compared as bytes in place (``equal_pairs``;
+    equal pairs are added to ``record``); a pair whose bytes ``proven`` already covers is not
+    read at all. The
     rest are computed (each task freed after its last use) and compared as arrays.
     """
     missing = []
@@ -61,25 +67,27 @@ def compare_tables(kind: str, expected: ParamTable, actual: ParamTable, atol: fl
     common = [n for n in expected.names() if n in actual]
     checks: list[Check] = []
     computed = []
-    comparer = RangeComparer()
-    try:
-        for name in common:
-            if expected.spec(name) != actual.spec(name):
-                checks.append(Check(kind, name, False,
-                                    detail=f"expected {expected.spec(name)}, found {actual.spec(name)}"))
-                continue
-            want, got = expected[name], actual[name]
-            ranges = (want.byte_ranges(), got.byte_ranges()) if is_exact(want) and is_exact(got) else (None, None)
-            if None in ranges:
-                computed.append(name)
-            elif (proven is not None and proven.covers(*ranges)) or comparer.equal(*ranges):
-                if record is not None:
-                    record.add(*ranges)
-                checks.append(Check(kind, name, True, detail="bitwise"))
-            else:
-                computed.append(name)  # differs: computed below, for the report's figures
-    finally:
-        comparer.close()
+    to_compare = []  # (name, (expected ranges, actual ranges)) not proven already
+    for name in common:
+        if expected.spec(name) != actual.spec(name):
+            checks.append(Check(kind, name, False,
+                                detail=f"expected {expected.spec(name)}, found {actual.spec(name)}"))
+            continue
+        want, got = expected[name], actual[name]
+        ranges = (want.byte_ranges(), got.byte_ranges()) if is_exact(want) and is_exact(got) else (None, None)
+        if None in ranges:
+            computed.append(name)
+        elif proven is not None and proven.covers(*ranges):
+            checks.append(Check(kind, name, True, detail="bitwise"))
+        else:
+            to_compare.append((name, ranges))
+    for (name, ranges), same in zip(to_compare, equal_pairs([r for _, r in to_compare])):
+        if same:
+            if record is not None:
+                record.add(*ranges)
+            checks.append(Check(kind, name, True, detail="bitwise"))
+        else:
+            computed.append(name)  # differs: computed below, for the report's figures
     want_eval = Evaluation([expected[n] for n in computed])
     got_eval = Evaluation([actual[n] for n in computed])
     for name in computed:
@@ -102,6 +110,49 @@ def tie_checks(expected: ParamTable, actual: ParamTable) -> list[Check]:
         tied = len(present) == len(group) and len({id(actual[m]) for m in present}) == 1
         checks.append(Check("ties", ", ".join(group), tied,
                             detail="" if tied else "tied in the reference, not in the candidate"))
+    return checks
+
+
+class _Background:
+    """``work()`` on a thread from now; ``result()`` waits for it and returns its value or
+    raises its error."""
+
+    def __init__(self, work):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="fusectl-compare", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            self._value = work()
+        except BaseException as e:  # handed to result()
+            self._error = e
+
+    def result(self):
+        """The work's value, once it is done; its error raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _tensors_and_inverse(reference: ParamTable, expected: ParamTable, candidate: Checkpoint, plan: Plan,
+                         atol, rtol) -> list[Check]:
+    """Steps 1 and 2 of the module doc: the replayed reference against the candidate, then the
+    inverse of the candidate against the reference (reading only bytes not proven already)."""
+    proven = ByteCorrespondence()
+    checks = compare_tables("tensor", expected, candidate.table, atol, rtol, record=proven)
+    proven.freeze()
+    if any(s.inverse() is None for s in plan.steps):
+        checks.append(Check("inverse", "unfuse", True, detail="skipped: the plan has a one-way step"))
+    elif not all(s.op.exact for s in plan.steps):
+        checks.append(Check("inverse", "unfuse", True, detail=(
+            "skipped: a numeric step's inverse gives an equivalent parametrization, not the input")))
+    else:
+        # the inverse maps candidate bytes back: where it maps them onto the reference bytes the
+        # tensor comparison proved equal, nothing is read again
+        back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
+        checks += compare_tables("inverse", reference, back, atol, rtol, proven=proven)
     return checks
 
 
@@ -128,34 +179,32 @@ def verify_checkpoints(
     except PlanError as e:
         raise VerifyError(f"the candidate's plan does not apply to {reference.path}: {e}") from e
     report = VerifyReport("checkpoint", reference.path, candidate.path, seed=seed)
-    proven = ByteCorrespondence()
-    report.checks += compare_tables("tensor", expected, candidate.table, atol, rtol, record=proven)
-    proven.freeze()
-    if any(s.inverse() is None for s in plan.steps):
-        report.checks.append(Check("inverse", "unfuse", True, detail="skipped: the plan has a one-way step"))
-    elif not all(s.op.exact for s in plan.steps):
-        report.checks.append(Check("inverse", "unfuse", True, detail=(
-            "skipped: a numeric step's inverse gives an equivalent parametrization, not the input")))
-    else:
-        # the inverse maps candidate bytes back: where it maps them onto the reference bytes the
-        # tensor comparison proved equal, nothing is read again
-        back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
-        report.checks += compare_tables("inverse", reference.table, back, atol, rtol, proven=proven)
-    report.checks += tie_checks(expected, candidate.table)
-    replay = optimizer_replay(reference, candidate, plan)
-    if replay is not None:
-        if replay.tables is not None:
-            report.checks += compare_tables("state", *replay.tables, atol, rtol)
-        report.checks += replay.checks
-        report.optimizer = replay.summary(report.checks)
-    if recorded:
-        report.checks += rule_checks(reference, plan, adapter=lora_base is not None)
-    probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
-                                      reference.followers.of("scales").scheme)
+    # the byte comparisons (GIL free: file pages compared in place) run beside the rest, which
+    # imports onnxruntime and runs the probes; the report keeps the order of a sequential run
+    compared = _Background(lambda: _tensors_and_inverse(reference.table, expected, candidate, plan, atol, rtol))
+    try:
+        later = tie_checks(expected, candidate.table)
+        replay = optimizer_replay(reference, candidate, plan)
+        if replay is not None:
+            if replay.tables is not None:
+                later += compare_tables("state", *replay.tables, atol, rtol)
+            later += replay.checks
+        if recorded:
+            later += rule_checks(reference, plan, adapter=lora_base is not None)
+        probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
+                                          reference.followers.of("scales").scheme)
+        later += probe_checks
+        if lora_base is not None:
+            later += adapter_probes(lora_base, reference, candidate, chosen, seed, atol, rtol)
+    except KeyboardInterrupt:
+        raise  # not kept waiting for the comparison (its thread is a daemon)
+    except BaseException:
+        compared.result()  # its error first, as when it ran first; else this one
+        raise
+    report.checks += compared.result() + later
     report.provider = chosen
-    report.checks += probe_checks
-    if lora_base is not None:
-        report.checks += adapter_probes(lora_base, reference, candidate, chosen, seed, atol, rtol)
+    if replay is not None:
+        report.optimizer = replay.summary(report.checks)
     return report
 
 

@@ -15,18 +15,19 @@ probed (their layout is checked bitwise tensor by tensor).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
 
+from ..dtypes import BY_NAME, TensorProto, from_numpy
 from ..executor import Evaluation, walk
 from ..ops.dequantize import expand_scale, scale_grid
 from ..followers.scales import QuantScheme, scale_step_of
 from ..steps import Plan, Step
 from ..table import ParamTable
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, read_ranges
 from ..tolerance import default_tolerance
 from .compare import compare
 from .report import Check
@@ -35,9 +36,62 @@ from .runner import resolve_provider, run, session
 OPSET = 18
 
 
+# ONNX's protobuf (onnx.proto), the fields a probe uses: the graphs are written here as bytes,
+# so that a probe needs neither the onnx package nor what it imports (ml_dtypes), only
+# onnxruntime. The bytes are those onnx.helper gives (fields in number order; a test compares).
+_ATTR_FLOAT, _ATTR_INT, _ATTR_INTS = 1, 2, 7  # AttributeProto.AttributeType
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # an int64 below zero: its two's complement, ten bytes
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _int(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(value)
+
+
+def _bytes(field: int, value: bytes | str) -> bytes:
+    data = value.encode() if isinstance(value, str) else value
+    return _varint(field << 3 | 2) + _varint(len(data)) + data
+
+
+def _attribute(name: str, value) -> bytes:
+    """An AttributeProto the way onnx.helper.make_attribute makes it (int, float, list of ints)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return _bytes(1, name) + _int(3, int(value)) + _int(20, _ATTR_INT)
+    if isinstance(value, (float, np.floating)):
+        return _bytes(1, name) + _varint(2 << 3 | 5) + struct.pack("<f", value) + _int(20, _ATTR_FLOAT)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, np.integer)) for v in value):
+        return _bytes(1, name) + b"".join(_int(8, int(v)) for v in value) + _int(20, _ATTR_INTS)
+    raise TypeError(f"probe attribute {name}: {value!r} is not an int, a float or a list of ints")
+
+
+def _tensor(array: np.ndarray, name: str) -> bytes:
+    """A TensorProto with raw data, as onnx.numpy_helper.from_array makes it."""
+    kind = from_numpy(array.dtype, f"probe constant {name}").onnx
+    if kind is None:
+        raise TypeError(f"probe constant {name}: dtype {array.dtype} has no ONNX type")
+    data = (array.byteswap() if array.dtype.byteorder == ">" else array).tobytes()  # little-endian
+    return b"".join(_int(1, d) for d in array.shape) + _int(2, kind) + _bytes(8, name) + _bytes(9, data)
+
+
+def _value_info(name: str, elem_type: int, shape: Sequence[int] | None) -> bytes:
+    """A ValueInfoProto of a tensor, as onnx.helper.make_tensor_value_info makes it."""
+    tensor = _int(1, elem_type)
+    if shape is not None:
+        tensor += _bytes(2, b"".join(_bytes(1, _int(1, d)) for d in shape))
+    return _bytes(1, name) + _bytes(2, _bytes(1, tensor))
+
+
 @dataclass
 class GraphBuilder:
-    """A tiny helper over onnx.helper: named values, nodes, float32 initializers."""
+    """A tiny graph builder: named values, nodes, float32 initializers; ``model`` serializes."""
 
     nodes: list = field(default_factory=list)
     initializers: list = field(default_factory=list)
@@ -51,7 +105,7 @@ class GraphBuilder:
 
     def const(self, array: np.ndarray, stem: str = "c") -> str:
         name = self.fresh(stem)
-        self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
+        self.initializers.append(_tensor(np.asarray(array), name))
         return name
 
     def ints(self, values: Sequence[int]) -> str:
@@ -59,25 +113,34 @@ class GraphBuilder:
 
     def node(self, op: str, inputs: Sequence[str], n_out: int = 1, **attrs) -> list[str]:
         outs = [self.fresh(op.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op, list(inputs), outs, **attrs))
+        self._node(op, inputs, outs, attrs)
         return outs
+
+    def _node(self, op: str, inputs: Sequence[str], outputs: Sequence[str], attrs: dict) -> None:
+        # a NodeProto as onnx.helper.make_node makes it: attributes sorted by name
+        self.nodes.append(b"".join(_bytes(1, v) for v in inputs) + b"".join(_bytes(2, v) for v in outputs)
+                          + _bytes(4, op) + b"".join(_bytes(5, _attribute(k, v))
+                                                     for k, v in sorted(attrs.items()) if v is not None))
 
     def one(self, op: str, inputs: Sequence[str], **attrs) -> str:
         return self.node(op, inputs, 1, **attrs)[0]
 
     def input(self, name: str, shape: Sequence[int]) -> str:
-        self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape)))
+        self.inputs.append(_value_info(name, TensorProto.FLOAT, list(shape)))
         return name
 
-    def output(self, value: str, name: str) -> None:
-        self.nodes.append(helper.make_node("Identity", [value], [name]))
-        self.outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    def output(self, value: str, name: str, spec: TensorSpec | None = None) -> None:
+        """``value`` as the graph output ``name``: float32 of any shape, or of ``spec``."""
+        self._node("Identity", [value], [name], {})
+        self.outputs.append(_value_info(name, TensorProto.FLOAT, None) if spec is None
+                            else _value_info(name, spec.dtype.onnx, list(spec.shape)))
 
     def model(self) -> bytes:
-        graph = helper.make_graph(self.nodes, "probe", self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-        model.ir_version = 8
-        return model.SerializeToString()
+        """The ModelProto's bytes (IR version 8, opset ``OPSET``)."""
+        graph = (b"".join(_bytes(1, n) for n in self.nodes) + _bytes(2, "probe")
+                 + b"".join(_bytes(5, t) for t in self.initializers)
+                 + b"".join(_bytes(11, v) for v in self.inputs) + b"".join(_bytes(12, v) for v in self.outputs))
+        return _int(1, 8) + _bytes(7, graph) + _bytes(8, _bytes(1, "") + _int(2, OPSET))
 
 
 def _f32(array: np.ndarray) -> np.ndarray:
@@ -209,8 +272,8 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
             # each tensor is cut to the window as it is read: one whole tensor held at a time
             cut = _columns if window else (lambda a: a)
             m_in, m_out = Evaluation(ins), Evaluation(outs)
-            probe = build_probe(step, [cut(m_in.array(t)) for t in ins], [cut(m_out.array(t)) for t in outs],
-                                seed, window)
+            probe = build_probe(step, [_probe_data(m_in, t, cut) for t in ins],
+                                [_probe_data(m_out, t, cut) for t in outs], seed, window)
             if probe is None:
                 continue
             check = _run_probe(probe, group.describe(), chosen, atol, rtol)
@@ -231,6 +294,20 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
                                                      f"with {scaled.op.kind} of its scales"),
                                              group.describe(), chosen, atol, rtol))
     return checks, chosen
+
+
+_BF16, _U16 = BY_NAME["BF16"], BY_NAME["U16"]
+
+
+def _probe_data(evaluation: Evaluation, tensor, cut) -> np.ndarray:
+    """The data of ``tensor`` cut to the probe's window. A bf16 tensor held as file ranges is read
+    as its bits and widened to float32 here, which is exact (bf16 is the top half of a float32)
+    and what the graph's initializer holds anyway: the probe then needs no ml_dtypes."""
+    ranges = tensor.byte_ranges() if tensor.spec.dtype == _BF16 else None
+    if ranges is None:
+        return cut(evaluation.array(tensor))
+    bits = cut(read_ranges(ranges, TensorSpec(_U16, tensor.spec.shape)))
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _dequantized(weight: np.ndarray, scale: np.ndarray, scheme: QuantScheme, window) -> np.ndarray:
