@@ -67,10 +67,11 @@ def move_twins(checkpoint: Checkpoint, start: ParamTable, plan: Plan) -> list[Mo
         reads missing from the twin, or of another shape; a step whose op refuses the twin's
         dtype), or tied otherwise than the model; naming the file, the twin and the tensor.
     """
-    return [_moved(checkpoint.path, twin, start, plan) for twin in checkpoint.twins]
+    return [move_twin(checkpoint.path, twin, start, plan) for twin in checkpoint.twins]
 
 
-def _moved(path: str, twin: Twin, start: ParamTable, plan: Plan) -> MovedTwin:
+def move_twin(path: str, twin: Twin, start: ParamTable, plan: Plan) -> MovedTwin:
+    """One twin of the checkpoint at ``path`` after ``plan`` (see :func:`move_twins`)."""
     at = f"{printable(str(path))}: the model's copy {quote(twin.where)}"
     way_out = ("a copy of the model takes exactly the model's plan, so fusectl cannot write the training dict; "
                "write the model alone (a .safetensors output), or remove the entry")

@@ -148,6 +148,8 @@ def verify_checkpoints(
             report.checks += compare_tables("state", *replay.tables, atol, rtol)
         report.checks += replay.checks
         report.optimizer = replay.summary(report.checks)
+    from .twin_check import twin_checks  # a training dict's copies of the model (an EMA)
+    report.checks += twin_checks(reference, candidate, plan, atol, rtol)
     if recorded:
         report.checks += rule_checks(reference, plan, adapter=lora_base is not None)
     probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
