@@ -45,6 +45,7 @@ from .ties import declare_ties, detect_ties
 from .io.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
 from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
+from .twins import MovedTwin, move_twins
 from .write import write_table
 
 __all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
@@ -86,6 +87,8 @@ class FuseReport:
     seconds: float = 0.0  # from the call to the output in place, rounded to milliseconds
     # a training checkpoint's optimizer state: what became of it (``_optimizer_fate``); None: none
     optimizer: dict | None = None
+    # the copies of the model written beside it, moved with it (``fusectl.twins``): their keys
+    twins: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         """The documented ``--json`` object of fuse, unfuse and convert (README: "Training
@@ -100,6 +103,7 @@ class FuseReport:
             "ties": self.ties,
             "seconds": self.seconds,
             "optimizer": self.optimizer,
+            "twins": list(self.twins),
         }
 
     def to_text(self) -> str:
@@ -107,7 +111,8 @@ class FuseReport:
         training checkpoint, what became of its optimizer state."""
         line = (f"wrote {self.output}: {self.tensors} tensors, {human(self.written_bytes)} "
                 f"({human(self.copied_bytes)} copied without decoding) in {self.seconds:.2f}s")
-        return "\n".join([line, *_optimizer_lines(self.optimizer)])
+        twins = [f"copy of the model ({printable(w)}): moved with it" for w in self.twins]
+        return "\n".join([line, *_optimizer_lines(self.optimizer), *twins])
 
 
 def _optimizer_lines(fate: dict | None) -> list[str]:
@@ -306,7 +311,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
            progress, on_note, lora_base: Plan | None = None, whole_training: bool = False,
            param_order_out: str | None = None, moved: Plan | None = None,
            param_order_from_model: bool = False, dropped: bool = False,
-           untied: Sequence[Sequence[str]] = ()) -> FuseReport:
+           untied: Sequence[Sequence[str]] = (), twins: Sequence[MovedTwin] = ()) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from.
@@ -317,7 +322,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     optimizer.pt rewritten, its other files copied. ``dropped``: the optimizer is left out on
     purpose (no note; a PyTorch output is the training dict without it,
     ``training_output.write_without_optimizer``); ``untied``: tie groups of trained parameters
-    the plan broke (``untie_training``); both go into the report's ``optimizer``."""
+    the plan broke (``untie_training``); both go into the report's ``optimizer``. ``twins``: the
+    model's copies after the plan (``fusectl.twins``), written at their keys of a training dict."""
     out = os.fspath(out)
     training = checkpoint.training
     trainer = isinstance(training, TrainerOptimizer)
@@ -348,11 +354,13 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         made = new if moved is None else moved
         if whole_training:
             report = write_training(checkpoint, table, made, recorded, out, param_order_out=param_order_out,
-                                    force=force, on_note=on_note)
+                                    force=force, on_note=on_note, twins=twins)
         else:  # dropped: the training dict without its optimizer
-            report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note)
+            report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note,
+                                             twins=twins)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
-                          len(recorded.steps), model_ties(table), optimizer=fate)
+                          len(recorded.steps), model_ties(table), optimizer=fate,
+                          twins=tuple(t.twin.where for t in twins))
     if fate is not None and not dropped and not unchanged and on_note is not None:
         on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: {out} holds "
                 "the model's tensors only (a PyTorch file, .pt, holds the whole training dict; "
@@ -491,11 +499,21 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     untied = _untied_training(checkpoint, planned.plan, untie_training) if whole else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
+    twins = _moved_twins(checkpoint, planned.start, planned.plan, out)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
                          whole_training=whole, param_order_out=param_order_out,
                          param_order_from_model=param_order_from_model, dropped=drop_optimizer,
-                         untied=untied), started)
+                         untied=untied, twins=twins), started)
+
+
+def _moved_twins(checkpoint: Checkpoint, start: ParamTable, plan: Plan, out) -> list[MovedTwin]:
+    """The model's copies in a training dict (an EMA) after the model's steps of ``plan``, which
+    started from ``start``, when ``out`` is the training dict written whole (with or without
+    its optimizer state); none otherwise (an output of the model alone)."""
+    if isinstance(checkpoint.training, TrainerOptimizer) or not writes_training(checkpoint, out):
+        return []
+    return move_twins(checkpoint, start, model_steps(plan))
 
 
 def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None = None, force: bool = False,
@@ -555,6 +573,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         planned = _bind(checkpoint, start, rulesets, untie, proof=proof)
         untied = _untied_training(checkpoint, planned.plan, untie_training) if whole else []
         table = run_plan(start, planned.plan, str(checkpoint.path), untie)
+        twins = _moved_twins(checkpoint, start, planned.plan, out)
         history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
         lora_base = planned.lora_base
         if proof.left_alone and on_note is not None:
@@ -573,11 +592,12 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
             inverse = lift_recorded(start, inverse, checkpoint.followers.riders(), untie)
         untied = _untied_training(checkpoint, inverse, untie_training) if whole else []
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
+        twins = _moved_twins(checkpoint, start, inverse, out)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
-                         moved=moved, dropped=drop_optimizer, untied=untied), started)
+                         moved=moved, dropped=drop_optimizer, untied=untied, twins=twins), started)
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:

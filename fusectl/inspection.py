@@ -7,7 +7,7 @@ the text ``fusectl inspect`` prints. ``fusectl.inspect`` opens a path and calls 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .errors import CheckpointError, option, option_name, printable
 from .followers.optimizer import recognise
@@ -27,7 +27,8 @@ class InspectReport:
     config.json read; ``state_dict_key`` the state dict read inside a PyTorch training dict;
     ``ignored`` what a PyTorch file held that is not a tensor; ``quantization`` and
     ``adapter`` the scales and LoRA modules found (None when there are none); ``optimizer``
-    a training dict's optimizer state (:func:`optimizer_report`; None when there is none).
+    a training dict's optimizer state (:func:`optimizer_report`; None when there is none);
+    ``twins`` the copies of the model beside it (:func:`twins_report`).
     ``suspected_ties`` and ``constant_groups_skipped`` are None unless ties were detected.
     """
 
@@ -44,6 +45,7 @@ class InspectReport:
     quantization: dict | None
     adapter: dict | None
     optimizer: dict | None = None
+    twins: list[dict] = field(default_factory=list)
     suspected_ties: list[list[str]] | None = None
     constant_groups_skipped: int | None = None
 
@@ -61,6 +63,7 @@ class InspectReport:
             "quantization": self.quantization,
             "adapter": self.adapter,
             "optimizer": self.optimizer,
+            "twins": self.twins,
         }
         if self.suspected_ties is not None:
             report["suspected_ties"] = self.suspected_ties
@@ -102,6 +105,11 @@ class InspectReport:
                          f"block size {_block_text(self.quantization)}")
         if self.optimizer:
             lines.extend(_optimizer_text(self.optimizer))
+        for t in self.twins:
+            prefix = f", names under {printable(t['prefix'])}" if t["prefix"] else ""
+            others = f", other entries kept: {', '.join(map(printable, t['other_entries']))}" if t["other_entries"] else ""
+            lines.append(f"copy of the model: {printable(t['where'])}: {t['tensors']} of its tensors "
+                         f"({', '.join(t['dtypes'])}){prefix}{others}; it takes the model's plan")
         if self.provenance is not None:
             lines.append(f"provenance: {self.provenance_groups} rule group(s), "
                          f"{self.provenance_steps} step(s) recorded by fusectl")
@@ -127,6 +135,7 @@ def inspect_checkpoint(c: Checkpoint, path: str | None = None, *, detect_ties: b
         quantization=c.followers.report("scales"),
         adapter=c.followers.report("lora"),
         optimizer=optimizer_report(c),
+        twins=twins_report(c),
     )
     if not detect_ties:
         return report
@@ -141,6 +150,16 @@ def _block_text(quantized: dict) -> str:
     if not quantized["block_size"]:
         return "not set (no block scales, or set quantization_config.weight_block_size)"
     return f"{quantized['block_size'][0]}x{quantized['block_size'][1]} ({quantized['block_size_source']})"
+
+
+def twins_report(c: Checkpoint) -> list[dict]:
+    """The copies of the model a training dict holds beside it (an EMA, an averaged model), as
+    ``inspect --json`` shows them: ``where`` the dotted key, ``tensors`` how many of the model's
+    tensors it holds (by name), ``prefix`` what its names put before the model's, ``dtypes``
+    its tensors' dtypes, ``other_entries`` its keys that are not the model's tensors (kept)."""
+    return [{"where": t.where, "tensors": len(t.tensors), "prefix": t.prefix,
+             "dtypes": sorted({v.spec.dtype.safetensors for v in t.tensors.values()}),
+             "other_entries": [str(k) for k in t.rest]} for t in c.twins]
 
 
 def optimizer_report(c: Checkpoint) -> dict | None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from .errors import PlanError, option, printable, quote
 from .followers.optimizer import STATE_SEP
@@ -42,6 +42,7 @@ from .io.optimizer_state import LIGHTNING_KEY, node_at, read_order, training_tre
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
+from .twins import MovedTwin
 from .tensors import LazyTensor, TensorSpec
 from .write import WriteReport, output_metadata
 
@@ -59,9 +60,10 @@ def writes_training(checkpoint: Checkpoint, out) -> bool:
 
 def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
                    param_order_out: str | None = None, force: bool = False,
-                   on_note: Callable[[str], None] | None = None) -> WriteReport:
+                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
     """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its
-    training table) as its model and optimizer state, ``recorded`` as its provenance.
+    training table) as its model and optimizer state, ``twins`` (``fusectl.twins``: the
+    model's copies after its plan) at their keys, ``recorded`` as its provenance.
 
     :raises PlanError: a parameter of a param group that ``param_order_out`` does not list, a
         name it lists that the fused model does not hold, a fused parameter whose parts have
@@ -70,8 +72,30 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
     training = checkpoint.training
     order = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
     moved = moved_optimizer(checkpoint, table, plan, order=order, order_source=param_order_out)
-    root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer)
+    root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer,
+                         twin_entries(checkpoint, twins))
     return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
+
+
+def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tuple[str, dict]]:
+    """Each moved twin as (its key, the dict to write there): its tensors in the order the
+    model's are written (the twin's own order, a fused tensor where its first part was) under
+    its prefix, where its first tensor of the model stood; its other entries (an
+    ``AveragedModel``'s ``n_averaged``) where they stood."""
+    out = []
+    for moved in twins:
+        twin = moved.twin
+        names, _, _ = _model_order(checkpoint, list(moved.table.entries), moved.plan, [],
+                                   positions=list(twin.tensors))
+        entries, placed = collections.OrderedDict(), False
+        for key in twin.order:
+            if key in twin.rest:
+                entries[key] = twin.rest[key]
+            elif not placed:
+                entries.update((twin.prefix + n, moved.table.entries[n]) for n in names)
+                placed = True
+        out.append((twin.where, entries))
+    return out
 
 
 @dataclass(frozen=True)
@@ -144,16 +168,18 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
 
 
 def write_without_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
-                            force: bool = False, on_note: Callable[[str], None] | None = None) -> WriteReport:
+                            force: bool = False, on_note: Callable[[str], None] | None = None,
+                            twins: Sequence[MovedTwin] = ()) -> WriteReport:
     """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its model)
-    as its model and its optimizer left out (``--drop-optimizer``): the entry at its optimizer
+    as its model, ``twins`` at their keys (as :func:`write_training`), and its optimizer left
+    out (``--drop-optimizer``): the entry at its optimizer
     key, or Lightning's ``optimizer_states`` with ``lr_schedulers``, as Lightning's
     ``save_weights_only`` leaves them out; every other entry kept. The model in the state dict's
     order, each fused tensor where its first part was."""
     training = checkpoint.training
     model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
-    root = training_tree(training.tree(), training.model_key, model, None, None)
+    root = training_tree(training.tree(), training.model_key, model, None, None, twin_entries(checkpoint, twins))
     parts = training.optimizer_key.split(".")
     if len(parts) >= 2 and parts[-2] == LIGHTNING_KEY and parts[-1].isdigit():
         root = _without(root, parts[:-2], {LIGHTNING_KEY, "lr_schedulers"})

@@ -40,7 +40,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     3: ("ops", "ops.*"),
     4: ("steps",),
     5: ("rules", "rules.*", "io", "io.*", "executor", "followers", "followers.*"),
-    6: ("planner", "write", "checkpoint_map"),
+    6: ("planner", "write", "checkpoint_map", "twins"),
     7: ("onnx", "onnx.*", "verification", "verification.*"),
     8: ("api", "inspection", "reports", "training_output", "trainer_output"),
     9: ("cli", "", "__main__"),

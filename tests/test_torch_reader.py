@@ -156,14 +156,21 @@ def test_training_dict_key_selection():
     assert mixed.key is None and mixed.candidates == {"": 3, "sub": 1}
 
 
-def test_ambiguous_training_dict_lists_the_candidates():
+def test_ambiguous_training_dict_lists_the_candidates(tmp_path):
+    # "ema" beside "model" is the model's EMA (fusectl.twins): the model is read by default
     path = str(fixture("two-models"))
+    assert read_torch(path).key == "model" and read_torch(path, "ema").key == "ema"
+    from fusectl.io.torch_file import read_torch_tree
+    from fusectl.io.torch_writer import write_torch_file
+    tree, _ = read_torch_tree(path)
+    two = str(tmp_path / "two.pt")  # two models under keys that say nothing of which is which
+    write_torch_file(two, {("other" if k == "ema" else k): v for k, v in tree.items()})
     with pytest.raises(CheckpointError) as e:
-        read_torch(path)
+        read_torch(two)
     message = str(e.value)
-    assert path in message and "'model' (23 tensors)" in message and "'ema' (23 tensors)" in message
+    assert two in message and "'model' (23 tensors)" in message and "'other' (23 tensors)" in message
     assert "pass key with" in message and "'opt" not in message  # optimizer state is no candidate
-    assert read_torch(path, "model").key == "model"
+    assert read_torch(two, "model").key == "model"
 
 
 @pytest.mark.parametrize("key, what", [("nope", "does not exist"), ("optimizer_state_dict", "is not a dict of tensors"),

@@ -17,7 +17,7 @@ from ..followers import Followers, Source, detect
 from ..table import ParamTable
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
 from .formats import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
-from .optimizer_state import STATE_SEP, OptimizerState, ParamMap, Training, map_parameters, read_order, \
+from .optimizer_state import STATE_SEP, OptimizerState, ParamMap, Training, Twin, map_parameters, read_order, \
     state_tensors
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
@@ -158,6 +158,15 @@ class Checkpoint:
             return order
         state, mapping = self.optimizer_mapped
         return [mapping.names[p] for p in state.ids() if p in mapping.names]
+
+    @functools.cached_property
+    def twins(self) -> list[Twin]:
+        """The copies of the model a training dict holds beside it (an EMA, an averaged model:
+        ``optimizer_state.Twin``), each matched to the model's names; empty for other
+        checkpoints. A twin takes the model's plan (``fusectl.twins``)."""
+        if self.training is None or not self.training.model_key:
+            return []
+        return self.training.twins(set(self.table.entries))
 
     def training_table(self) -> ParamTable:
         """A copy of :attr:`table` with the optimizer's state tensors beside their parameters

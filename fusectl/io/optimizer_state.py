@@ -432,11 +432,12 @@ def read_order(path: str) -> list[str]:
 
 
 def training_tree(root: object, model_key: str | None, model: object, optimizer_key: str | None,
-                  optimizer: object) -> object:
+                  optimizer: object, others: Sequence[tuple[str, object]] = ()) -> object:
     """The training dict ``root`` (as read: dicts, lists, tuples, numbers, lazy tensors) with
-    the entry at ``model_key`` replaced by ``model`` and the one at ``optimizer_key`` by
-    ``optimizer`` (dotted keys; Lightning's ``optimizer_states.0`` indexes the list); every
-    other entry kept as it is, for ``torch_writer.write_torch_file``."""
+    the entry at ``model_key`` replaced by ``model``, the one at ``optimizer_key`` by
+    ``optimizer`` and each of ``others`` (key, value: the model's twins) by its value (dotted
+    keys; Lightning's ``optimizer_states.0`` indexes the list); every other entry kept as it
+    is, for ``torch_writer.write_torch_file``."""
     def put(tree, parts, value):
         if not parts:
             return value
@@ -450,7 +451,7 @@ def training_tree(root: object, model_key: str | None, model: object, optimizer_
         copy[match] = put(copy[match], rest, value)
         return copy
     out = root
-    for key, value in ((model_key, model), (optimizer_key, optimizer)):
+    for key, value in ((model_key, model), (optimizer_key, optimizer), *others):
         if key is not None and value is not None:
             out = put(out, key.split(".") if key else [], value)
     return out
@@ -574,12 +575,86 @@ def _shown(p: object) -> str:
     return quote(p) if type(p) is str else json.dumps(p)
 
 
+# a second copy of the model beside it, in the same dict, under a key training code gives it:
+# timm's CheckpointSaver writes ``state_dict_ema`` (its ModelEma's state dict) and its loader
+# also reads ``model_ema``; Lightning's WeightAveraging callback puts the average in
+# ``state_dict`` and moves the trained model to ``current_model_state``
+TWIN_KEYS = ("state_dict_ema", "model_ema", "ema_state_dict", "ema", "ema_model", "model_ema_state_dict",
+             "current_model_state")
+# keys of the model itself, which the twin of a model read from a twin key is (--key state_dict_ema)
+MODEL_KEYS = ("state_dict", "model", "model_state_dict", "model_state")
+# the prefix torch.optim.swa_utils.AveragedModel's state dict puts before the model's names
+# (it holds the model as ``module``), beside its ``n_averaged`` counter
+TWIN_PREFIXES = ("module.",)
+
+
+def twin_keys(parent: Mapping, model_key: str) -> list[str]:
+    """The keys of ``parent`` (the dict holding the model's state dict at ``model_key``, its
+    last dotted part) that hold a twin of the model (:data:`TWIN_KEYS`; for a model read
+    from one of those, the model's own keys as well), dicts only, in the dict's order.
+    Whether a twin holds the model's tensors is :class:`Twin`'s to say."""
+    names = set(TWIN_KEYS) | (set(MODEL_KEYS) if model_key in TWIN_KEYS else set())
+    return [k for k, v in parent.items() if type(k) is str and k != model_key and k in names and
+            isinstance(v, dict) and any(isinstance(t, LazyTensor) for t in v.values())]
+
+
+def is_twin_of(key: str, others: Sequence[str]) -> bool:
+    """Whether the dotted ``key`` names a twin key beside one of ``others`` (the same parent,
+    one a model key): a file with a model and its EMA reads the model by default."""
+    parent, _, last = key.rpartition(".")
+    if last not in TWIN_KEYS:
+        return False
+    for other in others:
+        other_parent, _, other_last = other.rpartition(".")
+        if other != key and other_parent == parent and (other_last not in TWIN_KEYS or
+                                                        (last, other_last) == ("current_model_state", "state_dict")):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A copy of the model beside it in a training dict (an EMA, an averaged model): ``where``
+    its dotted key, ``prefix`` what its names put before the model's (``"module."`` for an
+    ``AveragedModel``; ``""``), ``tensors`` model name → its tensor (tied names share one),
+    ``rest`` its other entries by their own keys (``n_averaged``, anything that is not one of
+    the model's tensors), kept as they are, and ``order`` every key of the dict as read."""
+
+    where: str
+    prefix: str
+    tensors: dict
+    rest: dict
+    order: tuple
+
+    @classmethod
+    def read(cls, node: Mapping, where: str, model_names: set[str]) -> "Twin | None":
+        """The twin at ``where`` (``node``, the dict there), its names matched to the model's
+        (``model_names``: with every tied alias) with or without one of :data:`TWIN_PREFIXES`;
+        None when it holds none of the model's tensors (a dict that is not a copy of the model)."""
+        keys = [k for k, v in node.items() if type(k) is str and isinstance(v, LazyTensor)]
+        prefix = ""
+        for p in TWIN_PREFIXES:
+            if sum(k.startswith(p) and k[len(p):] in model_names for k in keys) > \
+                    sum(k in model_names for k in keys):
+                prefix = p
+        tensors, rest = {}, {}
+        for k, v in node.items():
+            name = k[len(prefix):] if type(k) is str and k.startswith(prefix) else None
+            if isinstance(v, LazyTensor) and name in model_names:
+                tensors[name] = v
+            else:
+                rest[k] = v
+        if not tensors:
+            return None
+        return cls(where, prefix, tensors, rest, tuple(node))
+
+
 class Training:
     """What a training dict holds beside the model's state dict: its whole tree (converted on
-    first use: every tensor a lazy tensor, checked against its storage) and the optimizer's
-    state beside the model (``optimizer_key``; None when there is none). A problem finding
-    the optimizer (two of them) is kept in ``problem`` and raised when the optimizer is asked for,
-    so the model alone reads as before."""
+    first use: every tensor a lazy tensor, checked against its storage), the optimizer's
+    state beside the model (``optimizer_key``; None when there is none) and the model's twins
+    (:meth:`twins`). A problem finding the optimizer (two of them) is kept in ``problem`` and
+    raised when the optimizer is asked for, so the model alone reads as before."""
 
     def __init__(self, path: str, model_key: str | None, optimizer_key: str | None, convert,
                  problem: str | None = None):
@@ -604,6 +679,20 @@ class Training:
             node = node_at(self.tree(), self.optimizer_key)
             self._optimizer = parse_optimizer(node, self.optimizer_key, self.path)
         return self._optimizer
+
+    def twins(self, model_names: set[str]) -> list[Twin]:
+        """The copies of the model beside it (:func:`twin_keys`, :meth:`Twin.read`), in the
+        dict's order; none for a model at the top of the file."""
+        if not self.model_key:
+            return []
+        prefix, _, last = self.model_key.rpartition(".")
+        parent = node_at(self.tree(), prefix) if prefix else self.tree()
+        found = []
+        for k in twin_keys(parent, last):
+            twin = Twin.read(parent[k], f"{prefix}.{k}" if prefix else k, model_names)
+            if twin is not None:
+                found.append(twin)
+        return found
 
 
 def find_optimizer(parent: Mapping, prefix: str) -> tuple[str | None, str | None]:

@@ -69,7 +69,7 @@ from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 from .contents import Contents
 from .npz_file import string_map
-from .optimizer_state import Training, find_optimizer, is_optimizer_dict
+from .optimizer_state import Training, find_optimizer, is_optimizer_dict, is_twin_of
 from .pickle_scan import Builds, NeedMore, call_bytes, scan
 from .sharded import read_index
 from .sniff import check_pytorch
@@ -773,6 +773,7 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
             pool = [""]  # a state dict at the top level; dicts of tensors inside it are ignored entries
         else:
             pool = [k for k in candidates if found.weighty[k]] or list(candidates)
+            pool = [k for k in pool if not is_twin_of(k, pool)]  # a model's EMA beside it: the model
         if not pool:
             skipped = "; optimizer state does not count" if found.optimizer_tensors else ""
             raise CheckpointError(f"{where}: holds no dict of tensors (the file holds {_describe(archive.root)}"

@@ -189,6 +189,8 @@ def verify_checkpoints(
             if replay.tables is not None:
                 later += compare_tables("state", *replay.tables, atol, rtol)
             later += replay.checks
+        from .twin_check import twin_checks  # a training dict's copies of the model (an EMA)
+        later += twin_checks(reference, candidate, plan, atol, rtol)
         if recorded:
             later += rule_checks(reference, plan, adapter=lora_base is not None)
         probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,
