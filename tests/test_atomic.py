@@ -241,13 +241,13 @@ def test_write_failure_with_force_keeps_old_output(cli, area, copy_fixture, monk
     real_write_all = st.write_all
     calls = {"n": 0}
 
-    def failing_write_all(fd, data):
+    def failing_write_all(fd, data, *rest):
         calls["n"] += 1
         if calls["n"] > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write_all(fd, data)
+        return real_write_all(fd, data, *rest)
 
-    def failing_copy(*args):
+    def failing_copy(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(st, "write_all", failing_write_all)
@@ -266,7 +266,7 @@ def test_write_failure_without_existing_output_leaves_nothing(cli, area, copy_fi
 
     src = copy_fixture(BF16)
 
-    def failing_copy(*args):
+    def failing_copy(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(st, "copy_ranges", failing_copy)

@@ -57,7 +57,7 @@ from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, TensorSpec
 from .contents import Contents
 from .provenance import METADATA_KEY
-from .safetensors_file import COPY_BUFFER, copy_ranges, start_writeback, write_all
+from .streaming import COPY_BUFFER, copy_ranges, start_writeback, write_all
 from .untrusted import load_json, open_input
 
 SUFFIXES = (".params", ".nd")

@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import InternalError, OutputError, quote
 from ..tensors import ByteRange, LazyTensor, TensorSpec
 from ..ties import aliases_from_metadata
-from .safetensors_file import COPY_BUFFER, copy_ranges, start_writeback, write_all
+from .streaming import COPY_BUFFER, Writeback, copy_ranges, write_all
 from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES
 
 ALIGNMENT = 64
@@ -416,6 +416,7 @@ class _Archive:
         except OSError as e:
             raise OutputError(f"{path}: cannot be written ({e.strerror})") from e
         self.fd = self._file.fileno()
+        self._writeback = Writeback(self.fd)  # to disk while the rest is written
         self._pos = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
         self._buffer: memoryview | None = None
@@ -453,13 +454,13 @@ class _Archive:
 
         size = spec.nbytes
         begin = self._begin(f"data/{key}", size)
-        copy_ranges(data, self.fd, self._buffer, seen)
+        copy_ranges(data, self.fd, self._buffer, seen, self._writeback)
         self._end(begin, size, lambda: crc)
 
     def record(self, name: str, data) -> None:
         view = memoryview(data).cast("B")
         begin = self._begin(name, len(view))
-        write_all(self.fd, view)
+        write_all(self.fd, view, self._writeback)
         self._end(begin, len(view), lambda: zlib.crc32(view))
 
     def _begin(self, name: str, size: int) -> tuple[bytes, int, bool]:
@@ -484,7 +485,7 @@ class _Archive:
         self._entries.append((encoded, offset, size, value))
 
     def _write(self, data: bytes) -> None:
-        write_all(self.fd, data)
+        write_all(self.fd, data, self._writeback)
         self._pos += len(data)
 
     def finish(self, metadata: Mapping[str, str]) -> None:
@@ -513,9 +514,10 @@ class _Archive:
                                 *(_U32 if n >= _ZIP64_AT else n for n in (size, start)), 0))
 
     def close(self) -> None:
-        start_writeback(self.fd)
+        self._writeback.finish()
         self._file.close()
 
     def abort(self) -> None:
+        self._writeback.stop()
         self._file.close()
 
