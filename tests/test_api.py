@@ -60,7 +60,7 @@ def test_inspect_report_is_the_cli_json_bit_for_bit(cli, name, options, detect):
 def test_inspect_json_keys_in_their_documented_order():
     keys = list(fusectl.inspect(str(FIXTURES / "fp8-llama"), detect_ties=True).to_json())
     assert keys == ["format", "files", "parameters", "ties", "unique_count", "total_bytes", "provenance",
-                    "config", "state_dict_key", "ignored", "quantization", "adapter", "optimizer", "suspected_ties",
+                    "config", "state_dict_key", "ignored", "quantization", "adapter", "optimizer", "twins", "suspected_ties",
                     "constant_groups_skipped"]
 
 
@@ -115,7 +115,7 @@ def test_fuse_report_json_and_text(cli, tmp_path):
     data = report.to_json()
     cli_data = ok(cli("fuse", LLAMA, "-r", "llama-qkv", "-o", tmp_path / "fused2", "--json")).json()
     assert list(data) == list(cli_data) == ["output", "tensors", "unique_bytes", "written_bytes", "copied_bytes",
-                                            "steps", "ties", "seconds", "optimizer"]
+                                            "steps", "ties", "seconds", "optimizer", "twins"]
     assert {k: v for k, v in data.items() if k not in ("output", "seconds")} == \
         {k: v for k, v in cli_data.items() if k not in ("output", "seconds")}
     assert data["output"] == str(out) and report.seconds >= 0
