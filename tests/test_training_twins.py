@@ -166,7 +166,10 @@ def test_the_fused_file_resumes_in_timm_with_its_ema(tmp_path):
     sys.path.insert(0, str(FIXTURES))
     import generate_training_twins as g
 
-    timm = g.import_timm()
+    try:
+        timm = g.import_timm()
+    except ImportError as e:  # timm needs torchvision, which a CPU torch may lack
+        pytest.skip(f"timm does not import here: {e}")
     from timm.models import load_checkpoint, resume_checkpoint
 
     g.setup()
