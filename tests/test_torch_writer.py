@@ -13,20 +13,21 @@ import pickle
 import subprocess
 import sys
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import load_checkpoint_raw, ok, write_safetensors
+from conftest import load_checkpoint_raw, ok, run_cli, write_safetensors
 from fusectl import dtypes
-from fusectl.errors import InternalError, OutputError
+from fusectl.errors import CheckpointError, InternalError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.io.formats import format_named, output_kind
 from fusectl.io.safetensors_file import read_safetensors
 from fusectl.io.torch_file import METADATA_RECORD, read_pytorch, read_torch
-from fusectl.io.torch_writer import TorchWriter, write_torch_file
+from fusectl.io.torch_writer import TorchWriter, crc_of_ranges, write_torch_file
 from fusectl.tensors import ArrayTensor, ByteRange, FileTensor, LazyTensor, TensorSpec
 
 WRITTEN = [d for d in dtypes.ARRAY_DTYPES.values()]
@@ -527,3 +528,30 @@ def test_a_failure_while_writing_leaves_no_file_and_a_packed_state_dict_is_refus
     with pytest.raises(OutputError, match=r"the object\['w'\] is a F6_E2M3\[4\] tensor; PyTorch has no F6_E2M3"):
         TorchWriter(str(out), [("w", TensorSpec(dtypes.BY_NAME["F6_E2M3"], (4,)))], {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_records_copied_from_file_ranges_carry_the_crc_of_their_bytes(tmp_path):
+    # the bytes are copied by the kernel while their CRC-32 is read off the source on a thread:
+    # zipfile checks every record's CRC against the bytes it reads back
+    source = tmp_path / "source.safetensors"
+    rng = np.random.default_rng(3)
+    arrays = {"a": rng.standard_normal((300, 70)).astype(np.float32), "b": rng.integers(0, 9, 1001).astype(np.int64)}
+    write_safetensors(source, arrays)
+    out = tmp_path / "out.pt"
+    ok(run_cli("convert", source, "-o", out))
+    with zipfile.ZipFile(out) as archive:
+        assert archive.testzip() is None
+        data = sorted(n for n in archive.namelist() if "/data/" in n)
+        assert len(data) == 2
+    back = read_pytorch(str(out))
+    for name, array in arrays.items():
+        assert np.array_equal(back.tensors[name].read(), array)
+
+
+def test_the_crc_of_a_range_past_the_end_of_its_file_is_a_clean_error(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 100)
+    buffer = memoryview(bytearray(32))
+    assert crc_of_ranges((ByteRange(str(path), 10, 50),), buffer) == zlib.crc32(b"x" * 50)
+    with pytest.raises(CheckpointError, match="ended early"):
+        crc_of_ranges((ByteRange(str(path), 90, 50),), buffer)
