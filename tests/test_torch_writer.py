@@ -555,3 +555,23 @@ def test_the_crc_of_a_range_past_the_end_of_its_file_is_a_clean_error(tmp_path):
     assert crc_of_ranges((ByteRange(str(path), 10, 50),), buffer) == zlib.crc32(b"x" * 50)
     with pytest.raises(CheckpointError, match="ended early"):
         crc_of_ranges((ByteRange(str(path), 90, 50),), buffer)
+
+
+def test_a_source_changed_while_its_record_is_copied_is_a_clean_error_and_nothing_is_written(tmp_path, monkeypatch):
+    # the bytes and their CRC are read separately: a source that changes in between is refused
+    import fusectl.io.torch_writer as torch_writer
+
+    source = tmp_path / "source.safetensors"
+    write_safetensors(source, {"a": np.arange(4096, dtype=np.float32)})
+    copy = torch_writer.copy_ranges
+
+    def copy_then_touch(ranges, *args, **kwargs):
+        copy(ranges, *args, **kwargs)
+        with open(source, "ab") as f:
+            f.write(b"more")
+
+    monkeypatch.setattr(torch_writer, "copy_ranges", copy_then_touch)
+    out = tmp_path / "out.pt"
+    result = run_cli("convert", source, "-o", out)
+    assert result.exit_code == 2 and "changed while fusectl was reading it" in result.stderr
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["source.safetensors"]

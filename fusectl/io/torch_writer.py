@@ -424,6 +424,17 @@ def crc_of_ranges(ranges: Sequence[ByteRange], buffer: memoryview) -> int:
     return crc
 
 
+def _stamps(ranges: Sequence[ByteRange]) -> dict[str, tuple[int, int]]:
+    """Each source file's (size, modification time in ns): unchanged while a record is copied
+    and its CRC read, or the two reads may disagree."""
+    found = {}
+    for r in ranges:
+        if r.path not in found:
+            st = os.stat(r.path)
+            found[r.path] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
 class _Background:
     """``work()`` run on a thread of its own; ``result()`` waits for it and returns its value or
     raises its error."""
@@ -494,9 +505,14 @@ class _Archive:
         # the record's CRC-32 is read off the source on a second thread (zlib and preadv release
         # the GIL) while the kernel copies the bytes (copy_file_range): two reads of the page
         # cache instead of every byte through Python
+        before = _stamps(data)
         crc = _Background(lambda: crc_of_ranges(data, self._buffer))
         copy_ranges(data, self.fd, None, None, self._writeback)
         self._end(begin, size, crc.result)
+        if _stamps(data) != before:  # the two reads may have seen different bytes
+            changed = next(p for p in before if _stamps(data).get(p) != before[p])
+            raise CheckpointError(f"{changed}: changed while fusectl was reading it; nothing is written, "
+                                  "run again once nothing writes the input")
 
     def record(self, name: str, data) -> None:
         view = memoryview(data).cast("B")

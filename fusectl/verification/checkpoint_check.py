@@ -136,12 +136,12 @@ class _Background:
         return self._value
 
 
-def _tensors_and_inverse(reference: ParamTable, expected: ParamTable, candidate: Checkpoint, plan: Plan,
-                         atol, rtol) -> list[Check]:
+def _tensors_and_inverse(reference: ParamTable, expected: ParamTable, candidate: ParamTable, candidate_path: str,
+                         plan: Plan, atol, rtol) -> list[Check]:
     """Steps 1 and 2 of the module doc: the replayed reference against the candidate, then the
     inverse of the candidate against the reference (reading only bytes not proven already)."""
     proven = ByteCorrespondence()
-    checks = compare_tables("tensor", expected, candidate.table, atol, rtol, record=proven)
+    checks = compare_tables("tensor", expected, candidate, atol, rtol, record=proven)
     proven.freeze()
     if any(s.inverse() is None for s in plan.steps):
         checks.append(Check("inverse", "unfuse", True, detail="skipped: the plan has a one-way step"))
@@ -151,7 +151,7 @@ def _tensors_and_inverse(reference: ParamTable, expected: ParamTable, candidate:
     else:
         # the inverse maps candidate bytes back: where it maps them onto the reference bytes the
         # tensor comparison proved equal, nothing is read again
-        back = run_plan(candidate.table, plan.inverse(), f"{candidate.path} (inverse)", untie=True)
+        back = run_plan(candidate, plan.inverse(), f"{candidate_path} (inverse)", untie=True)
         checks += compare_tables("inverse", reference, back, atol, rtol, proven=proven)
     return checks
 
@@ -181,7 +181,10 @@ def verify_checkpoints(
     report = VerifyReport("checkpoint", reference.path, candidate.path, seed=seed)
     # the byte comparisons (GIL free: file pages compared in place) run beside the rest, which
     # imports onnxruntime and runs the probes; the report keeps the order of a sequential run
-    compared = _Background(lambda: _tensors_and_inverse(reference.table, expected, candidate, plan, atol, rtol))
+    # the tables are read here, not on the thread (a cached property computed on one thread only)
+    reference_table, candidate_table = reference.table, candidate.table
+    compared = _Background(lambda: _tensors_and_inverse(reference_table, expected, candidate_table,
+                                                        str(candidate.path), plan, atol, rtol))
     try:
         later = tie_checks(expected, candidate.table)
         replay = optimizer_replay(reference, candidate, plan)
