@@ -2,7 +2,7 @@
 
 An import may point only DOWN this list (a module may import its own level):
 
-1. errors, limits, dtypes, tensors, progress, version, tolerance, _protocols
+1. errors, limits, dtypes, tensors, progress, version, tolerance, _protocols, background
 2. table, ties, config_edit
 3. ops/*
 4. steps
@@ -35,7 +35,7 @@ PACKAGE = ROOT / "fusectl"
 # dotted names below fusectl ("" is fusectl/__init__.py); a package's __init__ sits at its
 # package's level, so "io" and "io.*" both name level 5
 LAYERS: dict[int, tuple[str, ...]] = {
-    1: ("errors", "limits", "dtypes", "tensors", "progress", "version", "tolerance", "_protocols"),
+    1: ("errors", "limits", "dtypes", "tensors", "progress", "version", "tolerance", "_protocols", "background"),
     2: ("table", "ties", "config_edit"),
     3: ("ops", "ops.*"),
     4: ("steps",),

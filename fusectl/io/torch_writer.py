@@ -33,12 +33,12 @@ import hashlib
 import json
 import os
 import struct
-import threading
 import zlib
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from ..background import Background
 from ..errors import CheckpointError, InternalError, OutputError, quote
 from ..tensors import ByteRange, LazyTensor, TensorSpec
 from ..ties import aliases_from_metadata
@@ -435,31 +435,6 @@ def _stamps(ranges: Sequence[ByteRange]) -> dict[str, tuple[int, int]]:
     return found
 
 
-class _Background:
-    """``work()`` run on a thread of its own; ``result()`` waits for it and returns its value or
-    raises its error."""
-
-    def __init__(self, work: Callable[[], int]):
-        self._value: int | None = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = work()
-            except BaseException as e:  # handed to the caller of result()
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name="fusectl-crc", daemon=True)
-        self._thread.start()
-
-    def result(self) -> int:
-        """The work's value (its error re-raised here)."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 class _Archive:
     """The records of a torch.save zip, written in order straight to the file (unbuffered)."""
 
@@ -506,7 +481,7 @@ class _Archive:
         # the GIL) while the kernel copies the bytes (copy_file_range): two reads of the page
         # cache instead of every byte through Python
         before = _stamps(data)
-        crc = _Background(lambda: crc_of_ranges(data, self._buffer))
+        crc = Background(lambda: crc_of_ranges(data, self._buffer), name="fusectl-crc")
         copy_ranges(data, self.fd, None, None, self._writeback)
         self._end(begin, size, crc.result)
         if _stamps(data) != before:  # the two reads may have seen different bytes

@@ -20,11 +20,11 @@ and an error of 1 or 2 is the one raised when both fail.
 
 from __future__ import annotations
 
-import threading
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..background import Background
 from ..errors import FusectlError, PlanError, RuleError, VerifyError, option, printable, quote
 from ..executor import Evaluation, apply_group, is_exact, run_plan
 from ..io.checkpoint import Checkpoint
@@ -113,29 +113,6 @@ def tie_checks(expected: ParamTable, actual: ParamTable) -> list[Check]:
     return checks
 
 
-class _Background:
-    """``work()`` on a thread from now; ``result()`` waits for it and returns its value or
-    raises its error."""
-
-    def __init__(self, work):
-        self._value = self._error = None
-        self._thread = threading.Thread(target=self._run, args=(work,), name="fusectl-compare", daemon=True)
-        self._thread.start()
-
-    def _run(self, work) -> None:
-        try:
-            self._value = work()
-        except BaseException as e:  # handed to result()
-            self._error = e
-
-    def result(self):
-        """The work's value, once it is done; its error raised here."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 def _tensors_and_inverse(reference: ParamTable, expected: ParamTable, candidate: ParamTable, candidate_path: str,
                          plan: Plan, atol, rtol) -> list[Check]:
     """Steps 1 and 2 of the module doc: the replayed reference against the candidate, then the
@@ -183,8 +160,9 @@ def verify_checkpoints(
     # imports onnxruntime and runs the probes; the report keeps the order of a sequential run
     # the tables are read here, not on the thread (a cached property computed on one thread only)
     reference_table, candidate_table = reference.table, candidate.table
-    compared = _Background(lambda: _tensors_and_inverse(reference_table, expected, candidate_table,
-                                                        str(candidate.path), plan, atol, rtol))
+    compared = Background(lambda: _tensors_and_inverse(reference_table, expected, candidate_table,
+                                                        str(candidate.path), plan, atol, rtol),
+                          name="fusectl-compare")
     try:
         later = tie_checks(expected, candidate.table)
         replay = optimizer_replay(reference, candidate, plan)
