@@ -115,6 +115,7 @@ def test_a_copy_that_does_not_bind_like_the_model_is_refused(tmp_path):
 def test_drop_optimizer_and_a_fold_fold_the_copy_too(tmp_path):
     refused = run_cli("fuse", TWINS / "timm.pth.tar", "-r", "conv-bn-fold", "-o", tmp_path / "refused.pth")
     assert refused.exit_code == 2 and "--drop-optimizer" in refused.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, nothing left beside it
     out = tmp_path / "folded.pth"
     report = json.loads(ok(run_cli("fuse", TWINS / "timm.pth.tar", "-r", "conv-bn-fold", "--drop-optimizer",
                                    "-o", out, "--json")).stdout)

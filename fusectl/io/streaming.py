@@ -20,7 +20,7 @@ import errno
 import os
 import queue
 import threading
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..errors import CheckpointError
 from ..tensors import ByteRange
@@ -106,20 +106,33 @@ def copy_ranges(ranges: Sequence[ByteRange], dst_fd: int, buffer: memoryview | N
     plain writes; allocated when None), and ``seen`` is given each chunk written (a zip
     record's CRC is taken on the way). ``writeback`` is told of every byte appended."""
     for r in ranges:
+        offset, left = r.offset, r.length
+        if seen is None:
+            with open(r.path, "rb") as src:
+                copied = _kernel_copy(src.fileno(), dst_fd, offset, left, writeback)
+            offset, left = offset + copied, left - copied
+        if left and buffer is None:
+            buffer = memoryview(bytearray(min(COPY_BUFFER, left)))
+        for chunk in read_chunks((ByteRange(r.path, offset, left),), buffer):
+            write_all(dst_fd, chunk, writeback)
+            if seen is not None:
+                seen(chunk)
+
+
+def read_chunks(ranges: Sequence[ByteRange], buffer: memoryview) -> Iterator[memoryview]:
+    """The bytes of ``ranges`` in order, read into ``buffer`` (positional reads) and handed out a
+    chunk at a time (each valid until the next); CheckpointError when a file ends before its
+    range does."""
+    for r in ranges:
+        if not r.length:
+            continue
         with open(r.path, "rb") as src:
             offset, left = r.offset, r.length
-            if seen is None:
-                copied = _kernel_copy(src.fileno(), dst_fd, offset, left, writeback)
-                offset, left = offset + copied, left - copied
-            if left and buffer is None:
-                buffer = memoryview(bytearray(min(COPY_BUFFER, left)))
             while left:
                 got = os.preadv(src.fileno(), [buffer[: min(left, len(buffer))]], offset)
                 if got == 0:
                     raise CheckpointError(f"{r.path}: ended early while copying; was it truncated?")
-                write_all(dst_fd, buffer[:got], writeback)
-                if seen is not None:
-                    seen(buffer[:got])
+                yield buffer[:got]
                 offset += got
                 left -= got
 

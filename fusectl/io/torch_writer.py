@@ -42,7 +42,7 @@ from ..background import Background
 from ..errors import CheckpointError, InternalError, OutputError, quote
 from ..tensors import ByteRange, LazyTensor, TensorSpec
 from ..ties import aliases_from_metadata
-from .streaming import COPY_BUFFER, Writeback, copy_ranges, write_all
+from .streaming import COPY_BUFFER, Writeback, copy_ranges, read_chunks, write_all
 from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES
 
 ALIGNMENT = 64
@@ -411,16 +411,8 @@ def crc_of_ranges(ranges: Sequence[ByteRange], buffer: memoryview) -> int:
     """The CRC-32 (zlib's, a zip record's) of the bytes of ``ranges`` in order, read through
     ``buffer``; CheckpointError when a file ends before its range does."""
     crc = 0
-    for r in ranges:
-        with open(r.path, "rb") as src:
-            offset, left = r.offset, r.length
-            while left:
-                got = os.preadv(src.fileno(), [buffer[: min(left, len(buffer))]], offset)
-                if got == 0:
-                    raise CheckpointError(f"{r.path}: ended early while copying; was it truncated?")
-                crc = zlib.crc32(buffer[:got], crc)
-                offset += got
-                left -= got
+    for chunk in read_chunks(ranges, buffer):
+        crc = zlib.crc32(chunk, crc)
     return crc
 
 
@@ -484,8 +476,9 @@ class _Archive:
         crc = Background(lambda: crc_of_ranges(data, self._buffer), name="fusectl-crc")
         copy_ranges(data, self.fd, None, None, self._writeback)
         self._end(begin, size, crc.result)
-        if _stamps(data) != before:  # the two reads may have seen different bytes
-            changed = next(p for p in before if _stamps(data).get(p) != before[p])
+        after = _stamps(data)
+        if after != before:  # the two reads may have seen different bytes
+            changed = next(p for p in before if after.get(p) != before[p])
             raise CheckpointError(f"{changed}: changed while fusectl was reading it; nothing is written, "
                                   "run again once nothing writes the input")
 
