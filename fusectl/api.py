@@ -22,7 +22,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .errors import CheckpointError, PlanError, TieError, VerifyError, option, option_name, printable, quote, \
     speaking_cli
@@ -33,13 +33,7 @@ from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_t
 from .io.formats import output_kind
 from .steps import Plan, RuleOrigin
 from .followers.optimizer import STATE_SEP
-from .planner import bind_and_lift, lift_recorded
 from .reports import human, name_map_text, plan_json, plan_text
-from .rules.inverse import InverseProof, invert_with_proof
-from .rules.mxnet_facts import with_checkpoint_facts
-from .rules.origin import load_recorded_rules
-from .rules.presets import preset_description, preset_names, preset_text
-from .rules.schema import RuleSet
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .io.trainer_folder import TrainerOptimizer, is_training_state
@@ -47,6 +41,11 @@ from .trainer_output import write_trainer_folder
 from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
 from .twins import MovedTwin, move_twins
 from .write import write_table
+
+if TYPE_CHECKING:  # imported where a rule is loaded or bound: the rule language and its op
+    # registry are most of what a command that binds no rule (inspect) would otherwise load
+    from .rules.inverse import InverseProof
+    from .rules.schema import RuleSet
 
 __all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
            "fuse", "inspect", "map_names", "name_map_text", "open_input", "plan", "preset_text", "presets", "unfuse", "verify"]
@@ -165,6 +164,9 @@ def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]
 def _load_with_origins(checkpoint: Checkpoint, rules: Sequence[str]) -> list[tuple[RuleSet, RuleOrigin]]:
     """Each rules file loaded, with the text and config values its provenance records; its
     ``bn_fold`` rules given what an MXNet checkpoint's symbol says (``rules.mxnet_facts``)."""
+    from .rules.mxnet_facts import with_checkpoint_facts
+    from .rules.origin import load_recorded_rules
+
     loaded = [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]
     return [(with_checkpoint_facts(ruleset, checkpoint), origin) for ruleset, origin in loaded]
 
@@ -303,6 +305,8 @@ def _bind(checkpoint: Checkpoint, table: ParamTable, rulesets: Sequence[RuleSet]
           origins: Sequence[RuleOrigin] | None = None, proof: InverseProof | None = None) -> Planned:
     """Rules bound to a checkpoint's table and lifted to its followers (``planner.bind_and_lift``).
     ``origins`` are recorded on the groups; ``proof`` admits the bindings of inverted rules."""
+    from .planner import bind_and_lift
+
     bound = bind_and_lift(table, checkpoint.followers, rulesets, untie, origins=origins, proof=proof)
     return Planned(checkpoint, table, bound.plan, bound.table, bound.base)
 
@@ -559,6 +563,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     >>> unfuse(os.path.join(folder, "fused"), os.path.join(folder, "restored")).tensors
     21
     """
+    from .planner import lift_recorded
+    from .rules.inverse import invert_with_proof
+
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     _check_drop(checkpoint, drop_optimizer)
@@ -918,7 +925,22 @@ def presets() -> dict[str, str]:
     >>> presets()["llama-qkv"].startswith("Llama")
     True
     """
+    from .rules.presets import preset_description, preset_names
+
     return {name: preset_description(name) for name in preset_names()}
+
+
+def preset_text(name: str) -> str:
+    """The rules file (TOML) of the preset ``name``, as shipped.
+
+    :raises RuleError: no preset has that name (the message lists them).
+
+    >>> preset_text("llama-qkv").splitlines()[0]
+    'version = 1'
+    """
+    from .rules import presets
+
+    return presets.preset_text(name)
 
 
 

@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-import traceback
 
 from typing import TYPE_CHECKING
 
@@ -73,6 +72,8 @@ class FusectlGroup(click.Group):
 
 def _fail(ctx: click.Context, message: str, code: int = EXIT_BAD_INPUT):
     if _debug(ctx):
+        import traceback  # only with --debug (linecache and tokenize are slow to load)
+
         traceback.print_exc()
     click.echo(f"error: {message}", err=True)
     ctx.exit(code)

@@ -6,12 +6,11 @@ it as provenance, ``unfuse`` runs ``plan.inverse()``.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from .config_edit import ConfigEdit
 from .errors import PlanError
-from .ops import OPS, Op
+from .ops import Op
 from .tensors import TensorSpec
 
 
@@ -47,6 +46,8 @@ class RuleOrigin:
     @property
     def sha256(self) -> str:
         """The hex SHA-256 of the rules text (how a provenance names the text it stores once)."""
+        import hashlib  # only where a rule's text is fingerprinted (OpenSSL is slow to load)
+
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
@@ -120,6 +121,8 @@ class Plan:
 
 def op_from_record(kind: str, params: dict) -> Op:
     """Rebuild an op from its recorded kind and parameters (plans read back from JSON)."""
+    from .ops import OPS
+
     if kind not in OPS:
         raise PlanError(f"recorded op {kind!r} is not known to this fusectl version")
     return OPS[kind].from_params(params)

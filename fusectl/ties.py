@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -143,6 +142,8 @@ def detect_ties(table: ParamTable) -> DetectedTies:
     every other such tensor by chance, not because the model shares it: such groups are
     counted, never suspected.
     """
+    import hashlib  # here, not at start-up: OpenSSL is slow to load
+
     by_content: dict[tuple, list[str]] = {}
     constant: set[tuple] = set()
     for name, tensor in table.unique():

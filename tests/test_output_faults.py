@@ -122,12 +122,12 @@ def test_a_full_disk_while_copying_a_companion_names_the_output(cli, copy_fixtur
 
 
 def test_a_bug_in_fusectl_exits_70_and_says_to_report_it(cli, copy_fixture, monkeypatch):
-    import fusectl.api
+    import fusectl.planner
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(fusectl.api, "bind_and_lift", broken)
+    monkeypatch.setattr(fusectl.planner, "bind_and_lift", broken)
     src = copy_fixture("tiny-llama-gqa")
     result = cli("plan", src, "-r", "llama-qkv")
     assert result.exit_code == 70

@@ -61,6 +61,32 @@ def test_light_commands_import_neither_onnx_nor_ml_dtypes(command):
     assert (ONNX | {"ml_dtypes"}) & imported == set()
 
 
+# what inspect of a safetensors checkpoint has no use for: the rule language, the planner and
+# the op registry (every op module), other formats' readers, and the standard library's slow
+# loaders (OpenSSL for hashlib, zipfile, traceback's tokenize)
+NOT_FOR_INSPECT = {"fusectl.rules.schema", "fusectl.rules.presets", "fusectl.planner", "fusectl.ops.reparam",
+                   "fusectl.io.npz_file", "fusectl.io.mxnet_params", "fusectl.io.torch_file", "fusectl.io.onnx_file",
+                   "hashlib", "zipfile", "traceback"}
+
+
+@pytest.mark.parametrize("checkpoint", ["fixtures/tiny-llama-gqa", "fixtures/tiny-llama-gqa-bf16-sharded",
+                                        "fixtures/fp8-llama"])
+def test_inspect_of_safetensors_loads_no_rule_machinery_and_no_other_reader(checkpoint):
+    imported = _modules_imported("-m", "fusectl", "inspect", checkpoint)
+    assert {"fusectl.api", "fusectl.io.safetensors_file"} <= imported  # the command ran
+    assert NOT_FOR_INSPECT & imported == set()
+
+
+def test_the_op_registry_is_built_on_first_use():
+    """``fusectl.ops`` alone holds the base class; ``OPS`` imports every op module when asked."""
+    script = ("import sys, fusectl.ops as ops; before = 'fusectl.ops.layout' in sys.modules;"
+              "registry = ops.OPS; print(before, 'fusectl.ops.layout' in sys.modules, 'concat' in registry,"
+              " ops.OPS is registry)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True", "True"]
+
+
 def test_ml_dtypes_is_imported_when_a_bf16_tensor_is_read():
     """The other side of the boundary: reading bf16 data names ml_dtypes' type, which imports it."""
     script = ("import sys, fusectl; c = fusectl.open_checkpoint('fixtures/tiny-llama-gqa-bf16-sharded');"

@@ -28,11 +28,9 @@ from typing import Callable
 
 from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
-from .mxnet_params import SUFFIXES as MXNET_SUFFIXES, MXNetWriter, is_mxnet, read_mxnet
-from .npz_file import NpzWriter, read_npz
 from .output import FolderWriter, Output, single_file
 from .safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
-from .sniff import is_pytorch
+from .sniff import MXNET_SUFFIXES, is_mxnet, is_pytorch
 
 
 @dataclass(frozen=True)
@@ -59,8 +57,8 @@ class Format:
 
 
 def _lazy(module: str, function: str) -> Reader:
-    """A reader that imports ``fusectl.io.<module>`` when first called: PyTorch's reader and
-    ONNX's (onnx-ir) cost start-up time that a safetensors run should not pay."""
+    """A reader that imports ``fusectl.io.<module>`` when first called: a run pays only for the
+    readers of the formats it reads (ONNX's imports onnx-ir; npz's, zipfile)."""
 
     def read(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
         reader = getattr(importlib.import_module(f"{__package__}.{module}"), function)
@@ -90,14 +88,16 @@ FORMATS: tuple[Format, ...] = (
            output=Output(single_file(SafetensorsWriter))),
     Format("safetensors-sharded", (INDEX_SUFFIX,), read_safetensors_index, folder_rank=0, listed_as=INDEX_SUFFIX,
            output=Output(FolderWriter, folder=True)),
-    Format("npz", (".npz",), read_npz, folder_rank=2, listed_as=".npz", output=Output(single_file(NpzWriter))),
+    Format("npz", (".npz",), _lazy("npz_file", "read_npz"), folder_rank=2, listed_as=".npz",
+           output=Output(single_file(_lazy_writer("npz_file", "NpzWriter")))),
     Format("pytorch", TORCH_SUFFIXES, _lazy("torch_file", "read_pytorch"), told_by=is_pytorch, folder_rank=4,
            listed_as=f"PyTorch ({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX})", takes_key=True,
            output=Output(single_file(_lazy_writer("torch_writer", "TorchWriter")))),
     Format("pytorch-sharded", (TORCH_INDEX_SUFFIX,), _lazy("torch_file", "read_pytorch_index"), folder_rank=3),
     Format("onnx", (".onnx",), _lazy("onnx_file", "read_onnx")),
     # never picked in a folder: an export's folder holds PREFIX-symbol.json and one params file per epoch
-    Format("mxnet", MXNET_SUFFIXES, read_mxnet, sniffed=is_mxnet, output=Output(single_file(MXNetWriter))),
+    Format("mxnet", MXNET_SUFFIXES, _lazy("mxnet_params", "read_mxnet"), sniffed=is_mxnet,
+           output=Output(single_file(_lazy_writer("mxnet_params", "MXNetWriter")))),
 )
 
 # files of formats fusectl does not read that hold weights all the same

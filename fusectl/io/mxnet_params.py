@@ -58,10 +58,9 @@ from ..tensors import ByteRange, FileTensor, TensorSpec
 from .contents import Contents
 from .provenance import METADATA_KEY
 from .streaming import COPY_BUFFER, copy_ranges, start_writeback, write_all
+from .sniff import MXNET_LIST_MAGIC as LIST_MAGIC
 from .untrusted import load_json, open_input
 
-SUFFIXES = (".params", ".nd")
-LIST_MAGIC = 0x112
 V1_MAGIC, V2_MAGIC, V3_MAGIC = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 METADATA_MAGIC = b"FUSECTL_METADATA"
 CPU = (1, 0)  # Context: kCPU, device 0
@@ -73,15 +72,6 @@ _OTHER_FLAGS = {8: "int16", 9: "uint16", 10: "uint32", 11: "uint64"}  # mshadow 
 STORAGE = {0: "dense", 1: "row_sparse", 2: "csr"}
 _AUX_ARRAYS = {0: 0, 1: 1, 2: 2}  # index arrays: row_sparse its row ids, csr its indptr and column ids
 _MIN_RECORD = 12  # the shortest record: a V2 none array (magic, storage type, ndim 0)
-
-
-def is_mxnet(path: str) -> bool:
-    """Whether the regular file at ``path`` starts with the NDArray list magic (u64 ``0x112``)."""
-    try:
-        with open_input(path) as f:
-            return f.read(8) == struct.pack("<Q", LIST_MAGIC)
-    except CheckpointError:
-        return False
 
 
 def symbol_beside(path: str) -> str | None:

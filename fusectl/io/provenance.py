@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import types
@@ -17,7 +16,7 @@ from ..config_edit import ConfigEdit
 from ..errors import CheckpointError, FusectlError, PlanError, quote
 from ..limits import check_limit, limit
 from .untrusted import MalformedJSON, load_json
-from ..ops import OPS, Op
+from ..ops import Op
 from ..steps import Plan, RuleOrigin, Step, StepGroup, op_from_record
 from ..tensors import TensorSpec
 
@@ -182,6 +181,8 @@ def _origin(raw: object, what: str, texts: dict[str, str]) -> RuleOrigin:
         text = raw["text"]
         if not isinstance(text, str):
             raise _Invalid(f"{what}: text must be a string")
+        import hashlib  # here, not at start-up: OpenSSL is slow to load
+
         try:
             actual = hashlib.sha256(text.encode("utf-8")).hexdigest()
         except UnicodeEncodeError:
@@ -215,6 +216,8 @@ def _step(raw: object, what: str) -> Step:
     if not isinstance(raw, dict):
         raise _Invalid(f"{what} must be an object, not {_short(raw)}")
     _only_keys(raw, {"op", "params", "exact", "one_way", "inputs", "outputs", "input_specs", "output_specs"}, what)
+    from ..ops import OPS
+
     kind, params = raw.get("op"), raw.get("params")
     if not isinstance(kind, str) or kind not in OPS:
         raise _Invalid(f"{what}: op {_short(kind)} is not an op this fusectl knows")

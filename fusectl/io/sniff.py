@@ -4,7 +4,7 @@ central directory: PyTorch's ``torch.save`` files told apart from whatever looks
 fusectl picks a reader by suffix where the suffix is unambiguous (``.safetensors``, ``.npz``,
 ``.onnx``, MXNet's ``.params`` and ``.nd``, the index files). Any other file that starts with
 MXNet's NDArray list magic (u64 ``0x112``: ``mx.nd.save`` files under any name, such as the
-suffix-less ones of old model zoos) is read as one (``mxnet_params.is_mxnet``). Any other file
+suffix-less ones of old model zoos) is read as one (:func:`is_mxnet`). Any other file
 is a PyTorch file when its content is one, whatever its name (``.pth.tar``, ``.tar``, ``.model``,
 ``.pkl``, ``.checkpoint``, no suffix):
 
@@ -33,6 +33,8 @@ from ..errors import CheckpointError, printable, quote
 from ..limits import check_limit, limit
 from .untrusted import open_input
 
+MXNET_SUFFIXES = (".params", ".nd")  # mx.nd.save files, as MXNet names them
+MXNET_LIST_MAGIC = 0x112  # the u64 an NDArray list file starts with
 _HEAD_BYTES = 512  # tar's "ustar" mark sits at byte 257
 _ZIP_LOCAL = b"PK\x03\x04"
 _ZIP_END = b"PK\x05\x06"
@@ -79,6 +81,15 @@ def is_pytorch(path: str) -> bool:
     return True
 
 
+def is_mxnet(path: str) -> bool:
+    """Whether the regular file at ``path`` starts with MXNet's NDArray list magic (u64 ``0x112``)."""
+    try:
+        with open_input(path) as f:
+            return f.read(8) == struct.pack("<Q", MXNET_LIST_MAGIC)
+    except CheckpointError:
+        return False
+
+
 def describe_head(head: bytes, size: int) -> tuple[str, str]:
     """(what a file that is neither a zip archive nor a pickle looks like, what to do), from its
     first bytes ``head`` and its ``size``."""
@@ -93,7 +104,7 @@ def describe_head(head: bytes, size: int) -> tuple[str, str]:
         return "gzip-compressed data", "decompress it (gunzip) and name the result"
     if head.startswith(b"\x89HDF\r\n\x1a\n"):
         return "an HDF5 file (Keras or TensorFlow .h5 weights)", "fusectl does not read HDF5; " + READS
-    if head.startswith(struct.pack("<Q", 0x112)):
+    if head.startswith(struct.pack("<Q", MXNET_LIST_MAGIC)):
         return ("an MXNet NDArray file (mx.nd.save's list magic)", "give it a name that ends in .params, which is "
                 "how fusectl tells MXNet files by name")
     if head.startswith(b"GGUF"):
