@@ -70,7 +70,7 @@ def test_one_byte_anywhere_in_a_multi_window_range_differs(big, where, mapped, m
     if not mapped:
         def refuse(*args):
             raise OSError("no mmap here")
-        monkeypatch.setattr(byte_ranges, "_Mapped", refuse)
+        monkeypatch.setattr(byte_ranges, "Mapped", refuse)
     a, b, data = big
     ranges = lambda path: [ByteRange(str(path), 3, 20480)]  # noqa: E731
     comparer = RangeComparer()
@@ -174,9 +174,9 @@ def test_a_proven_pair_is_not_read_again_and_an_unproven_one_is(tmp_path, monkey
     proof.freeze()
 
     reads = []
-    original, mapped = os.preadv, byte_ranges._Mapped
+    original, mapped = os.preadv, byte_ranges.Mapped
     monkeypatch.setattr(os, "preadv", lambda *args: reads.append(args[0]) or original(*args))
-    monkeypatch.setattr(byte_ranges, "_Mapped", lambda *args: reads.append(args[0]) or mapped(*args))
+    monkeypatch.setattr(byte_ranges, "Mapped", lambda *args: reads.append(args[0]) or mapped(*args))
     again = compare_tables("inverse", ref, cand, None, None, proven=proof)
     assert [c.passed for c in again] == [True, True] and reads == []
     swapped = cand.copy()

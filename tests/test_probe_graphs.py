@@ -5,6 +5,7 @@ mode must not import onnx (nor ml_dtypes through it)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,25 @@ def test_bf16_probe_data_is_read_as_bits_and_widened_exactly(tmp_path):
     save_file({"w": bits.view(ml_dtypes.bfloat16)}, str(tmp_path / "m.safetensors"))
     tensor = open_checkpoint(str(tmp_path / "m.safetensors")).table["w"]
     want = bits.view(ml_dtypes.bfloat16).astype(np.float32)
-    for cut in (lambda a: a, _columns):
-        got = _probe_data(Evaluation([tensor]), tensor, cut)
+    for windowed, cut in ((False, lambda a: a), (True, _columns)):
+        got = _probe_data(Evaluation([tensor]), tensor, windowed)
         assert got.dtype == np.float32 and got.tobytes() == np.ascontiguousarray(cut(want)).tobytes()
+
+
+def test_windowed_probe_data_of_a_truncated_file_is_an_error_naming_it(tmp_path):
+    """The window is copied from a mapping of the file; a file found shorter than its tensor is
+    read instead, which names it (a mapping past the end would end the process with SIGBUS)."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from fusectl.errors import CheckpointError
+    from fusectl.executor import Evaluation
+    from fusectl.io.checkpoint import open_checkpoint
+    from fusectl.verification.probes import _probe_data
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": np.ones((70, 90), ml_dtypes.bfloat16)}, str(path))
+    tensor = open_checkpoint(str(path)).table["w"]
+    os.truncate(path, path.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match="m.safetensors: expected .* the file is truncated"):
+        _probe_data(Evaluation([tensor]), tensor, True)

@@ -26,6 +26,7 @@ True
 from __future__ import annotations
 
 import decimal
+import functools
 import re
 from dataclasses import dataclass
 
@@ -189,6 +190,7 @@ class Pattern:
             groups.setdefault((p.name, p.offset), f"g{len(groups)}")
         return groups
 
+    @functools.lru_cache(maxsize=4096)  # built once per pattern: a rule binds it to every name
     def regex(self, lazy: bool = False) -> re.Pattern:
         """Regex for this pattern (lazy quantifiers when ``lazy``, to detect two bindings)."""
         q = "?" if lazy else ""

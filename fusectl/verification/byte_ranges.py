@@ -110,10 +110,10 @@ class _Files:
         self.fds.clear()
 
 
-class _Mapped:
+class Mapped:
     """``length`` bytes of a file at ``offset`` as a read-only mapping of the page cache (no
     copy), as a uint8 array; ``close`` unmaps it, so that the pages it touched leave the
-    process's resident set."""
+    process's resident set. OSError or ValueError where the file cannot be mapped."""
 
     def __init__(self, fd: int, offset: int, length: int):
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
@@ -174,10 +174,10 @@ class RangeComparer:
     def _window_equal(self, seg: Segment, done: int, n: int) -> bool:
         ends = ((seg.left, seg.left_offset + done), (seg.right, seg.right_offset + done))
         fds = [files.check(path, offset, n) for files, (path, offset) in zip(self._files, ends)]
-        views: list[_Mapped] = []
+        views: list[Mapped] = []
         try:
             for fd, (_, offset) in zip(fds, ends):
-                views.append(_Mapped(fd, offset, n))
+                views.append(Mapped(fd, offset, n))
         except (OSError, ValueError):  # not mappable: read instead
             for view in views:
                 view.close()

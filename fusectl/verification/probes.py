@@ -15,6 +15,7 @@ probed (their layout is checked bitwise tensor by tensor).
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -29,6 +30,7 @@ from ..steps import Plan, Step
 from ..table import ParamTable
 from ..tensors import TensorSpec, read_ranges
 from ..tolerance import default_tolerance
+from .byte_ranges import Mapped
 from .compare import compare
 from .report import Check
 from .runner import resolve_provider, run, session
@@ -270,10 +272,9 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
             outs = [source[n] for n in step.outputs]
             window = column_window(step)
             # each tensor is cut to the window as it is read: one whole tensor held at a time
-            cut = _columns if window else (lambda a: a)
             m_in, m_out = Evaluation(ins), Evaluation(outs)
-            probe = build_probe(step, [_probe_data(m_in, t, cut) for t in ins],
-                                [_probe_data(m_out, t, cut) for t in outs], seed, window)
+            probe = build_probe(step, [_probe_data(m_in, t, window is not None) for t in ins],
+                                [_probe_data(m_out, t, window is not None) for t in outs], seed, window)
             if probe is None:
                 continue
             check = _run_probe(probe, group.describe(), chosen, atol, rtol)
@@ -299,15 +300,46 @@ def run_probes(plan: Plan, reference: ParamTable, candidate: ParamTable, provide
 _BF16, _U16 = BY_NAME["BF16"], BY_NAME["U16"]
 
 
-def _probe_data(evaluation: Evaluation, tensor, cut) -> np.ndarray:
-    """The data of ``tensor`` cut to the probe's window. A bf16 tensor held as file ranges is read
-    as its bits and widened to float32 here, which is exact (bf16 is the top half of a float32)
-    and what the graph's initializer holds anyway: the probe then needs no ml_dtypes."""
+def _probe_data(evaluation: Evaluation, tensor, windowed: bool) -> np.ndarray:
+    """The data of ``tensor``, cut to the probe's column window when ``windowed``. A bf16 tensor
+    held as file ranges is read as its bits and widened to float32 here, which is exact (bf16 is
+    the top half of a float32) and what the graph's initializer holds anyway: the probe then
+    needs no ml_dtypes. Cut from one file range, only the window is copied out of the page cache."""
     ranges = tensor.byte_ranges() if tensor.spec.dtype == _BF16 else None
     if ranges is None:
-        return cut(evaluation.array(tensor))
-    bits = cut(read_ranges(ranges, TensorSpec(_U16, tensor.spec.shape)))
+        array = evaluation.array(tensor)
+        return _columns(array) if windowed else array
+    spec = TensorSpec(_U16, tensor.spec.shape)
+    bits = _mapped_columns(ranges, spec) if windowed else None
+    if bits is None:
+        bits = read_ranges(ranges, spec)
+        bits = _columns(bits) if windowed else bits
     return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _mapped_columns(ranges, spec: TensorSpec) -> np.ndarray | None:
+    """The probe's columns of a tensor held as one file range, copied from a read-only mapping
+    of it (the rows in between are never copied); None for several ranges, a file shorter than
+    the range (``read_ranges`` says so) or one that cannot be mapped."""
+    if len(ranges) != 1:
+        return None
+    r = ranges[0]
+    try:
+        fd = os.open(r.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size < r.offset + r.length:
+            return None
+        mapped = Mapped(fd, r.offset, r.length)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    try:  # np.array copies even where the columns are all of it: nothing may keep the mapping
+        return np.array(_columns(mapped.array.view(spec.dtype.numpy).reshape(spec.shape)))
+    finally:
+        mapped.close()
 
 
 def _dequantized(weight: np.ndarray, scale: np.ndarray, scheme: QuantScheme, window) -> np.ndarray:
