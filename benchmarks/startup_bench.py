@@ -7,6 +7,8 @@ What it measures
 
       numpy           ``python -c "import numpy"`` -- the reference: the interpreter and numpy,
                       which every command that reads a checkpoint needs;
+      python          ``python -c pass``: the interpreter's own start, which ``--version``
+                      should approach (issue 22);
       version         ``fusectl --version``;
       rules           ``fusectl rules list``;
       inspect         ``fusectl inspect fixtures/tiny-llama-gqa`` (float32, one file);
@@ -69,6 +71,7 @@ def commands(fusectl, sharded, label):
     """{name: argv} of what is measured, the reference first."""
     return {
         REFERENCE: [sys.executable, "-c", "import numpy"],
+        "python": [sys.executable, "-c", "pass"],
         "version": [fusectl, "--version"],
         "rules": [fusectl, "rules", "list"],
         "inspect": [fusectl, "inspect", SMALL],
@@ -126,6 +129,8 @@ def report(runs, names, imports):
     ratio = med[sharded] / med[REFERENCE]
     verdict = "within" if ratio <= INSPECT_RATIO_LIMIT else "OVER"
     out.append("")
+    out.append(f"version / python -c pass (median wall) = {med['version'] / med['python']:.2f}x "
+               f"({med['version']:.3f} s / {med['python']:.3f} s: what --version adds to the interpreter's start)")
     out.append(f"{sharded} / import numpy (median wall) = {ratio:.2f}x "
                f"({med[sharded]:.3f} s / {med[REFERENCE]:.3f} s; {verdict} the {INSPECT_RATIO_LIMIT:g}x limit)")
     return "\n".join(out), ratio
