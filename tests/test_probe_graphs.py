@@ -119,6 +119,24 @@ def test_bf16_probe_data_is_read_as_bits_and_widened_exactly(tmp_path):
         assert got.dtype == np.float32 and got.tobytes() == np.ascontiguousarray(cut(want)).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
+def test_probe_data_of_a_dtype_numpy_has_is_the_tensor_read_whole_or_cut(tmp_path, dtype):
+    """A float32/float16/int64 tensor's window comes from a mapping of its file range: the same
+    values as the tensor read whole and cut."""
+    from safetensors.numpy import save_file
+
+    from fusectl.executor import Evaluation
+    from fusectl.io.checkpoint import open_checkpoint
+    from fusectl.verification.probes import _columns, _probe_data
+
+    values = (np.random.default_rng(5).standard_normal((70, 90)) * 100).astype(dtype)
+    save_file({"w": values}, str(tmp_path / "m.safetensors"))
+    tensor = open_checkpoint(str(tmp_path / "m.safetensors")).table["w"]
+    for windowed, want in ((False, values), (True, _columns(values))):
+        got = _probe_data(Evaluation([tensor]), tensor, windowed)
+        assert got.dtype == dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
 def test_windowed_probe_data_of_a_truncated_file_is_an_error_naming_it(tmp_path):
     """The window is copied from a mapping of the file; a file found shorter than its tensor is
     read instead, which names it (a mapping past the end would end the process with SIGBUS)."""

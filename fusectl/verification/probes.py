@@ -304,17 +304,21 @@ def _probe_data(evaluation: Evaluation, tensor, windowed: bool) -> np.ndarray:
     """The data of ``tensor``, cut to the probe's column window when ``windowed``. A bf16 tensor
     held as file ranges is read as its bits and widened to float32 here, which is exact (bf16 is
     the top half of a float32) and what the graph's initializer holds anyway: the probe then
-    needs no ml_dtypes. Cut from one file range, only the window is copied out of the page cache."""
-    ranges = tensor.byte_ranges() if tensor.spec.dtype == _BF16 else None
+    needs no ml_dtypes. Cut from one file range (bf16, or a dtype numpy has itself), only the
+    window is copied out of the page cache."""
+    dtype = tensor.spec.dtype
+    bf16 = dtype == _BF16
+    own = dtype.numpy_type.startswith("numpy.") and not dtype.packed  # no ml_dtypes type needed
+    ranges = tensor.byte_ranges() if bf16 or (windowed and own) else None
     if ranges is None:
         array = evaluation.array(tensor)
         return _columns(array) if windowed else array
-    spec = TensorSpec(_U16, tensor.spec.shape)
-    bits = _mapped_columns(ranges, spec) if windowed else None
-    if bits is None:
-        bits = read_ranges(ranges, spec)
-        bits = _columns(bits) if windowed else bits
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    spec = TensorSpec(_U16, tensor.spec.shape) if bf16 else tensor.spec
+    data = _mapped_columns(ranges, spec) if windowed else None
+    if data is None:
+        data = read_ranges(ranges, spec)
+        data = _columns(data) if windowed else data
+    return (data.astype(np.uint32) << 16).view(np.float32) if bf16 else data
 
 
 def _mapped_columns(ranges, spec: TensorSpec) -> np.ndarray | None:
