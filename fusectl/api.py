@@ -943,7 +943,6 @@ def preset_text(name: str) -> str:
     return presets.preset_text(name)
 
 
-
 def check_tolerance(name: str, value) -> float:
     """``value`` as a tolerance named ``name`` in the message: a finite number >= 0, else
     VerifyError (NaN or an infinity would pass anything).
