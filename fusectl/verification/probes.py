@@ -324,8 +324,8 @@ def _probe_data(evaluation: Evaluation, tensor, windowed: bool) -> np.ndarray:
 def _mapped_columns(ranges, spec: TensorSpec) -> np.ndarray | None:
     """The probe's columns of a tensor held as one file range, copied from a read-only mapping
     of it (the rows in between are never copied); None for several ranges, a file shorter than
-    the range (``read_ranges`` says so) or one that cannot be mapped."""
-    if len(ranges) != 1:
+    the range (``read_ranges`` says so), an empty tensor or a file that cannot be mapped."""
+    if len(ranges) != 1 or not ranges[0].length:  # (a mapping of length 0 would be the whole file)
         return None
     r = ranges[0]
     try:
