@@ -155,6 +155,41 @@ def main():
     """
 
 
+def run() -> None:
+    """The ``fusectl`` command (the console script, ``python -m fusectl``): :func:`main`, then the
+    process ends at once, its standard streams flushed, without tearing the interpreter down.
+
+    Nothing is lost by it: every output a command writes is closed and fsynced before the command
+    returns, every thread fusectl starts is a daemon (which a normal exit does not wait for
+    either), and fusectl registers no exit handlers. The teardown it skips (freeing every module,
+    unloading numpy and onnxruntime) took 45–60 ms of each ``inspect`` here and 60–90 ms of each
+    ``verify``: a fifth of an ``inspect``'s time. (``main`` itself, as click's test runner calls
+    it, exits as usual.)
+    """
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # what sys.exit does with any other value
+        print(code, file=sys.stderr)
+        code = 1
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout closed early (| head): as FusectlGroup.invoke ends it
+        code = 141
+    except OSError as e:  # a full disk behind a redirection: the output is not all there
+        print(f"error: standard output: {e.strerror or e}; the output is incomplete", file=sys.stderr)
+        code = code or EXIT_BAD_INPUT
+    try:
+        sys.stderr.flush()
+    except OSError:
+        pass
+    os._exit(code)
+
+
 def _note(message: str) -> None:
     """Something the user should know that is not an error (stderr, even with --quiet)."""
     click.echo(f"note: {printable(message)}", err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 import subprocess
 import sys
@@ -15,8 +16,13 @@ ROOT = FIXTURES.parent
 
 
 def run_module(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    """Run the package as ``__main__`` in-process (so coverage sees it); (exit code, stdout, stderr)."""
+    """Run the package as ``__main__`` in-process (so coverage sees it); (exit code, stdout, stderr).
+    ``cli.run`` ends its process with ``os._exit``: here that raises SystemExit with the code."""
+    def exit_now(code):
+        raise SystemExit(code)
+
     monkeypatch.setattr(sys, "argv", ["fusectl", *map(str, args)])
+    monkeypatch.setattr(os, "_exit", exit_now)
     with pytest.raises(SystemExit) as exited:
         runpy.run_module("fusectl", run_name="__main__", alter_sys=True)
     out = capsys.readouterr()
