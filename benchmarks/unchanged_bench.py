@@ -66,25 +66,20 @@ def generate_lora(folder: str, cfg: dict, rank: int, seed: int, base: str) -> in
     returns its tensors' bytes."""
     os.makedirs(folder)
     rng = np.random.default_rng(seed)
-    entries, offset = {}, 0
-    shapes = lora_shapes(cfg, rank)
-    for name, shape in shapes:
-        nbytes = 2 * shape[0] * shape[1]
-        entries[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header)
-        for _, shape in shapes:  # small normal values: bf16 bits of float32 draws
-            values = (rng.standard_normal(shape, dtype=np.float32) * 0.02).view(np.uint32) >> 16
-            f.write(values.astype(np.uint16).tobytes())
+    entries = [(name, "BF16", shape, 2 * shape[0] * shape[1]) for name, shape in lora_shapes(cfg, rank)]
+    fd = os.open(os.path.join(folder, "adapter_model.safetensors"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, fuse_bench.header_blob(entries, {"format": "pt"}))
+        for *_, nbytes in entries:  # random finite bf16 values, as fuse_bench writes its weights
+            fuse_bench.write_random(fd, nbytes, rng, "BF16")
+    finally:
+        os.close(fd)
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
               "fan_in_fan_out": False, "use_dora": False, "use_rslora": False, "task_type": "CAUSAL_LM",
               "base_model_name_or_path": base, "target_modules": sorted(m.rsplit(".", 1)[1] for m in LORA_MODULES)}
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    return offset
+    return sum(e[-1] for e in entries)
 
 
 def job_command(job: str, exe: str, inputs: dict, dst: str) -> list[str]:
@@ -131,12 +126,14 @@ def main(argv=None) -> int:
     if "fuse-fp8" in jobs:
         inputs["fp8"] = fuse_bench.ensure_checkpoint(args.workdir, args.size, FP8_SIZES[args.size], shard_bytes,
                                                      args.seed, log, fp8=True)
+    os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)  # the fused input and the scratch output
     if "unfuse" in jobs:
         version = subprocess.run([exes["this"], "--version"], capture_output=True, text=True, check=True).stdout
         inputs["fused"] = ensure_fused(bf16, os.path.join(args.workdir, "out", f"unchanged-FUSED-{args.size}"),
                                        args.size, exes["this"], version.strip(), False, log)
     if "fuse-lora" in jobs:
-        params = {"config": cfg, "rank": args.lora_rank, "seed": args.seed, "modules": LORA_MODULES}
+        params = {"config": cfg, "rank": args.lora_rank, "seed": args.seed, "modules": LORA_MODULES,
+                  "values": "write_random"}  # (a cached adapter of other values is made again)
         inputs["lora"], _ = fuse_bench.cached_folder(
             os.path.join(args.workdir, "checkpoints"), f"lora-{args.size}-r{args.lora_rank}", params,
             lambda temp: generate_lora(temp, cfg, args.lora_rank, args.seed, bf16))

@@ -81,7 +81,7 @@ def _short(path: str, offset: int, length: int, got: int) -> CheckpointError:
                            "the file is truncated or changed while fusectl was reading it")
 
 
-class _Files:
+class Files:
     """The files of one side, opened once for the whole comparison."""
 
     def __init__(self):
@@ -168,7 +168,7 @@ class RangeComparer:
     """
 
     def __init__(self):
-        self._files = (_Files(), _Files())
+        self._files = (Files(), Files())
         self._readers: tuple[_Reader, _Reader] | None = None
 
     def _window_equal(self, seg: Segment, done: int, n: int) -> bool:

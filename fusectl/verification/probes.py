@@ -15,7 +15,6 @@ probed (their layout is checked bitwise tensor by tensor).
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -30,7 +29,7 @@ from ..steps import Plan, Step
 from ..table import ParamTable
 from ..tensors import TensorSpec, read_ranges
 from ..tolerance import default_tolerance
-from .byte_ranges import Mapped
+from .byte_ranges import Files, Mapped
 from .compare import compare
 from .report import Check
 from .runner import resolve_provider, run, session
@@ -323,23 +322,18 @@ def _probe_data(evaluation: Evaluation, tensor, windowed: bool) -> np.ndarray:
 
 def _mapped_columns(ranges, spec: TensorSpec) -> np.ndarray | None:
     """The probe's columns of a tensor held as one file range, copied from a read-only mapping
-    of it (the rows in between are never copied); None for several ranges, a file shorter than
-    the range (``read_ranges`` says so), an empty tensor or a file that cannot be mapped."""
+    of it (the rows in between are never copied); None for several ranges, an empty tensor or a
+    file that cannot be mapped; CheckpointError naming a file shorter than the range."""
     if len(ranges) != 1 or not ranges[0].length:  # (a mapping of length 0 would be the whole file)
         return None
     r = ranges[0]
+    files = Files()
     try:
-        fd = os.open(r.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size < r.offset + r.length:
-            return None
-        mapped = Mapped(fd, r.offset, r.length)
+        mapped = Mapped(files.check(r.path, r.offset, r.length), r.offset, r.length)
     except (OSError, ValueError):
         return None
     finally:
-        os.close(fd)
+        files.close()
     try:  # np.array copies even where the columns are all of it: nothing may keep the mapping
         return np.array(_columns(mapped.array.view(spec.dtype.numpy).reshape(spec.shape)))
     finally:
