@@ -12,7 +12,7 @@ import onnx
 import safetensors.numpy
 from onnx import helper, numpy_helper
 
-from conftest import FIXTURES, ok
+from conftest import FIXTURES, ok, write_rules
 
 CONVBN = FIXTURES / "onnx" / "convbn"
 
@@ -59,13 +59,23 @@ def test_a_folded_weight_whose_bias_is_computed_is_not_taken_for_a_fold(cli, tmp
 
 
 def test_a_batchnorm_of_another_width_is_passed_over(cli, tmp_path):
-    """``bn0`` (4 channels) sorts before bn1 and bn2 but fits neither Conv (8 output channels)."""
+    """``bn0`` (4 channels) sorts before bn1 and bn2 but fits neither Conv (8 output channels):
+    the two folds take bn1 and bn2, and bn0, which the graph does not compute with, is what the
+    export refuses to leave out; dropped from the checkpoint, the export goes through."""
     tensors = safetensors.numpy.load_file(str(CONVBN / "model.safetensors"))
     for part, value in (("weight", 2.0), ("bias", 0.5), ("running_mean", 0.1), ("running_var", 3.0)):
         tensors[f"bn0.{part}"] = np.full(4, value, np.float32)
     ckpt = tmp_path / "decoy.safetensors"
     safetensors.numpy.save_file(tensors, str(ckpt))
     graph, out, result = _export(cli, ckpt, _dynamo(), tmp_path)
+    assert result.exit_code == 2 and not os.path.lexists(out)
+    assert result.stderr.startswith("error: 4 tensor(s) of ") and "have no copy in the graph (by name, content or " \
+        "transposed content): 'bn0.bias' float32[4], 'bn0.running_mean' float32[4], 'bn0.running_var' float32[4], " \
+        "'bn0.weight' float32[4]. To fix:" in result.stderr
+    rules = write_rules(tmp_path / "drop.toml", 'version = 1\n[[rule]]\nop = "drop"\ninput = "bn0.{p}"\n')
+    dropped = tmp_path / "dropped.safetensors"
+    ok(cli("fuse", ckpt, "-r", rules, "-o", dropped, "--quiet"))
+    _, out, result = _export(cli, dropped, _dynamo(), tmp_path)
     assert ok(result).json()["folded"] == 2
     ok(cli("verify", graph, out, "--inputs", CONVBN / "io.npz"))
 

@@ -48,8 +48,9 @@ from ..io.atomic import atomic_output, temporary_name
 from ..io.checkpoint import Checkpoint
 from .export_context import ExportContext, ExportError, IRBuilder
 from .graph import load_model
-from .passes import (FoldReparametrizationsPass, FuseSharedMatMulPass, PairInitializersPass,
-                     RebindInitializersPass, RefuseLeftoverGraphWeightsPass)
+from .opset import MIN_OPSET, default_opset, upgrade_opset
+from .passes import (AccountForCheckpointPass, FoldReparametrizationsPass, FuseSharedMatMulPass,
+                     PairInitializersPass, RebindInitializersPass, RefuseLeftoverGraphWeightsPass)
 
 __all__ = ["EXTERNAL_DATA_THRESHOLD", "ExportError", "ExportReport", "IRBuilder", "check_onnx_output", "export_model",
            "export_passes", "run_passes"]
@@ -79,12 +80,15 @@ class ExportReport:
     external_data: bool
     not_fused: list[dict] = field(default_factory=list)
     kept_constants: list[dict] = field(default_factory=list)
+    unused: list[dict] = field(default_factory=list)
+    converted_from_opset: int | None = None
 
     def to_json(self) -> dict:
         """The documented ``export --json`` object."""
         return {"output": self.output, "initializers": self.initializers, "fused_matmuls": self.fused_matmuls,
                 "folded": self.folded, "rebound": self.rebound, "external_data": self.external_data,
-                "not_fused": self.not_fused, "kept_constants": self.kept_constants}
+                "converted_from_opset": self.converted_from_opset,
+                "not_fused": self.not_fused, "kept_constants": self.kept_constants, "unused": self.unused}
 
     def to_text(self) -> str:
         """What ``export`` prints: the output and its counts, each group left unfused and why,
@@ -95,6 +99,9 @@ class ExportReport:
         lines = [f"wrote {self.output}: {self.initializers} initializers; {self.fused_matmuls} fused MatMul/Gemm "
                  f"group(s), {self.folded} folded step(s), {self.rebound} graph tensor use(s) rebound"
                  + ("; external data" if self.external_data else "")]
+        if self.converted_from_opset is not None:
+            lines.append(f"converted the graph from opset {self.converted_from_opset} to {MIN_OPSET} with "
+                         "onnx.version_converter first")
         for group in self.not_fused:
             lines.append(f"not fused: {names(group['consumers'])} on parts of {printable(group['weight'])}: "
                          f"{printable(group['why'])}")
@@ -105,6 +112,10 @@ class ExportReport:
             lines.append(f"kept {len(kept)} graph tensor(s) of its own: "
                          + ", ".join(f"{sum(k['why'] == why for k in kept)} {why}" for why in whys)
                          + (f" ({names(own[:5])}{', …' if len(own) > 5 else ''})" if own else ""))
+        if self.unused:
+            left = [u["name"] for u in self.unused]
+            lines.append(f"left out {len(left)} integer tensor(s) of the checkpoint that the graph does not read "
+                         f"({names(left[:5])}{', …' if len(left) > 5 else ''})")
         return "\n".join(lines)
 
 
@@ -120,6 +131,7 @@ def export_passes(ctx: ExportContext) -> Sequential:
         TopologicalSortPass(),
         RemoveUnusedNodesPass(),
         RefuseLeftoverGraphWeightsPass(ctx),
+        AccountForCheckpointPass(ctx),
     )
 
 
@@ -129,9 +141,8 @@ def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bo
     OutputError unless ``out`` names an ``.onnx`` file."""
     check_onnx_output(out)
     model = load_model(graph_path)
-    opset = model.opset_imports.get("", 0)
-    if opset < 13:  # the un-fuse nodes take Split sizes and Squeeze/Unsqueeze axes as inputs
-        raise ExportError(f"{graph_path}: opset {opset}; export needs opset 13 or newer")
+    opset = default_opset(model)
+    model = upgrade_opset(model, graph_path)
     ctx = ExportContext(checkpoint, graph_path, model)
     run_passes(export_passes(ctx), model)
     total = sum(t.spec.nbytes for _, t in checkpoint.table.unique())
@@ -140,7 +151,8 @@ def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bo
           inputs=[graph_path, *checkpoint.input_paths()])
     counts = ctx.counts
     return ExportReport(out, len(model.graph.initializers), counts.fused_matmuls, counts.folded, counts.rebound,
-                        external, counts.not_fused, counts.kept_constants)
+                        external, counts.not_fused, counts.kept_constants, counts.unused,
+                        converted_from_opset=opset if opset < MIN_OPSET else None)
 
 
 def check_onnx_output(out: str) -> None:

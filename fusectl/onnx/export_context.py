@@ -71,7 +71,8 @@ class Pairing:
     LSTM's packed W/R/B), by key → its value, the checkpoint tensor it holds, and whether
     transposed; ``direct_names`` those checkpoint tensors. ``aside``: every tensor set aside
     (none may be in use once the rewrite is done); ``unpaired``: the graph's own tensors,
-    kept where still in use and reported (``ExportReport.kept_constants``).
+    kept where still in use and reported (``ExportReport.kept_constants``); ``explained``: the
+    checkpoint tensors (before the plan) that folds the exporter made account for.
     """
 
     by_name: dict[str, list[tuple[ir.Value, bool]]]
@@ -79,18 +80,21 @@ class Pairing:
     direct_names: frozenset[str]
     aside: tuple[GraphTensor, ...] = ()
     unpaired: tuple[GraphTensor, ...] = ()
+    explained: frozenset[str] = frozenset()
 
 
 @dataclass
 class ExportCounts:
     """What the report counts: steps folded, graph tensor uses rebound, MatMul/Gemm groups
-    fused; the groups left unfused and the graph constants kept, as the report lists them."""
+    fused; the groups left unfused, the graph constants kept and the checkpoint's integer
+    tensors left out, as the report lists them."""
 
     folded: int = 0
     rebound: int = 0
     fused_matmuls: int = 0
     not_fused: list[dict] = field(default_factory=list)
     kept_constants: list[dict] = field(default_factory=list)
+    unused: list[dict] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -97,6 +97,11 @@ def graph_tensors(model: ir.Model) -> list[GraphTensor]:
     return found
 
 
+def in_use(value: ir.Value) -> bool:
+    """Whether a node (at any depth) reads ``value`` or it is an output of its graph."""
+    return bool(value.uses()) or value.is_graph_output()
+
+
 def tensor_views(tensors: list[GraphTensor]):
     """(readers, specs) of ``tensors`` by key, as ``namemap.map_names`` takes them."""
     return ({t.key: t.read for t in tensors}, {t.key: (t.dtype, t.shape) for t in tensors})

@@ -163,7 +163,11 @@ def map_names(
             if not key.startswith(ckpt_prefix):
                 continue
             candidate = graph_prefix + key[len(ckpt_prefix):]
-            if candidate in initializers and candidate not in matched_graph and id(table[name]) not in matched_unique:
+            # a tied name pairs with the graph's initializer of its own name even when its tensor
+            # paired already under another: a graph tensor named like a checkpoint tensor is never
+            # kept as the graph's own unchecked (an untied graph's head against a tied checkpoint)
+            if (candidate in initializers and candidate not in matched_graph
+                    and (not bare or id(table[name]) not in matched_unique)):
                 dtype, shape = initializer_specs[candidate]
                 tensor = table[name]
                 spec = tensor.spec

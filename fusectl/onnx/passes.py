@@ -16,9 +16,10 @@ from ..errors import quote
 from ..steps import Plan, Step, StepGroup
 from ..table import ParamTable
 from ..executor import recover_inputs
+from .accounting import account_for_checkpoint, refuse_unpaired_checkpoint_tensors
 from .export_context import SET_ASIDE, ExportContext, ExportError, Pairing
 from .exporter_folds import BatchNormFold, recognise_batchnorm_folds, same_within_tolerance
-from .graph_tensors import MAIN_GRAPH, GraphTensor, graph_tensors, tensor_views
+from .graph_tensors import MAIN_GRAPH, GraphTensor, graph_tensors, in_use, tensor_views
 from .namemap import NameMap, map_names
 
 
@@ -63,9 +64,10 @@ class PairInitializersPass(ExportPass):
     checkpoint tensor but holding other data is explained as a Conv + BatchNorm fold the
     exporter made (the Conv then takes the fold of the checkpoint's own tensors), or refused.
     Initializers the exporter already made in the fused layout (an LSTM's packed W/R/B) pair
-    with the checkpoint's own tensors (``Pairing.direct``). A tensor pairing with nothing is
-    kept as the graph's own, unless an unpaired checkpoint tensor has its dtype and shape (or
-    their transpose) and it has more than one element: then it is a stale weight, refused.
+    with the checkpoint's own tensors (``Pairing.direct``). Every checkpoint tensor must pair
+    (``accounting.refuse_unpaired_checkpoint_tensors``): one that does not is refused, naming
+    the graph's own tensors that could be stale copies of it. A graph tensor pairing with
+    nothing is kept as the graph's own.
     """
 
     def requires(self, model: ir.Model) -> None:
@@ -95,7 +97,9 @@ class PairInitializersPass(ExportPass):
         # checkpoint's own tensors
         rest = [n for n in mapping.unmatched_graph if n not in explained_graph]
         direct = map_names(ctx.checkpoint.table, {n: readers[n] for n in rest}, {n: specs[n] for n in rest})
-        _refuse_stale_weights(ctx, original, mapping, direct, by_key, explained_ckpt)
+        refuse_unpaired_checkpoint_tensors(ctx, original, set(by_name), explained_ckpt,
+                                           {p.structural for p in direct.pairs},
+                                           [by_key[k] for k in direct.unmatched_graph])
         # the graph's paired tensors move aside, freeing their names for the checkpoint's
         aside = sorted({p.initializer for p in mapping.pairs} | {p.initializer for p in direct.pairs})
         for key in aside:
@@ -109,6 +113,7 @@ class PairInitializersPass(ExportPass):
             frozenset(p.structural for p in direct.pairs),
             aside=tuple(by_key[k] for k in aside),
             unpaired=tuple(t for t in tensors if t.key not in set_aside),
+            explained=frozenset(explained_ckpt),
         )
         return PassResult(model, bool(aside or folds))
 
@@ -148,39 +153,6 @@ def _refuse_differing_constants(mapping: NameMap, by_key: dict[str, GraphTensor]
             raise ExportError(f"graph {tensor.describe()} has the name of checkpoint tensor {quote(p.structural)} "
                               "but holds other data; was the graph exported from the model this checkpoint "
                               "was fused from?")
-
-
-def _refuse_stale_weights(ctx: ExportContext, original: ParamTable, mapping: NameMap, direct: NameMap,
-                          by_key: dict[str, GraphTensor], explained: set[str]) -> None:
-    """An unpaired graph tensor (initializer or Constant, at any depth) shaped like an unpaired
-    checkpoint tensor is a weight whose data differs: keeping it would export the graph's old
-    weight silently. One-element tensors are never taken for weights."""
-    paired = {p.structural for p in mapping.pairs}
-    unpaired = [n for n in mapping.unmatched_checkpoint if original[n].has_data()
-                and n not in paired and n not in explained]
-    shapes = {}
-    for name in sorted(unpaired):
-        spec = original.spec(name)
-        shapes.setdefault((str(spec.dtype.numpy), spec.shape), name)
-        shapes.setdefault((str(spec.dtype.numpy), spec.shape[::-1]), name)
-    stale = []
-    for key in direct.unmatched_graph:  # sorted
-        tensor = by_key[key]
-        name = shapes.get((tensor.dtype, tensor.shape))
-        if name is not None and len(tensor.shape) >= 1 and tensor.size > 1:
-            stale.append((tensor, name))
-    if stale:
-        tensor, name = stale[0]
-        where = "" if tensor.where == MAIN_GRAPH else f" ({tensor.where})"
-        others = [t.describe() for t, _ in stale[1:]]
-        also = (f"; so do {len(others)} more ({'; '.join(others[:8])}{', …' if len(others) > 8 else ''})"
-                if others else "")
-        raise ExportError(
-            f"graph {tensor.kind} {quote(tensor.key)} {list(tensor.shape)}{where} pairs with no tensor of "
-            f"{ctx.checkpoint.path}, though {quote(name)} has its shape: their data differ{also}. Was "
-            f"{ctx.graph_path} exported from the model this checkpoint was fused from? A graph's weights are "
-            "replaced only by checkpoint tensors equal to them (by name, content or transposed content)"
-        )
 
 
 # -- 2. numeric steps --------------------------------------------------------------------------
@@ -415,8 +387,9 @@ class FuseSharedMatMulPass(PairedExportPass):
     every part has exactly one consumer and they are all MatMul — when each is followed by an
     Add of the parts of one fused bias, one Add of that bias comes before the Split — or all
     Gemm with equal alpha, beta and transA whose biases C are the parts of one fused bias,
-    1-D tensors joined by a Concat, or absent. Any other group is left as it is and reported
-    in ``ExportCounts.not_fused`` with the reason.
+    1-D tensors joined by a Concat, or absent. Parts and biases are followed through Identity
+    copies, so a layer used N times (ALBERT) fuses in each of its N uses. Any other group is left
+    as it is and reported in ``ExportCounts.not_fused`` with the reason.
     """
 
     def call(self, model: ir.Model) -> PassResult:
@@ -492,8 +465,9 @@ class FuseSharedMatMulPass(PairedExportPass):
         or a Concat of 1-D biases as long as their parts; None when they do not join."""
         if any(c is None for c in biases):
             return None
-        producer = biases[0].producer()
-        if (producer is not None and producer.op_type == "Split" and list(producer.outputs) == biases
+        sources = [_before_identities(c) for c in biases]
+        producer = sources[0].producer()
+        if (producer is not None and producer.op_type == "Split" and list(producer.outputs) == sources
                 and self.ctx.is_param(producer.inputs[0])):
             return producer.inputs[0]
         shapes = [tuple(c.const_value.shape) if c.const_value is not None else
@@ -511,9 +485,8 @@ class FuseSharedMatMulPass(PairedExportPass):
             if len(uses) != 1 or uses[0].node.op_type != "Add":
                 return None
             add = uses[0].node
-            other = add.inputs[1 - uses[0].idx]
             adds.append(add)
-            biases.append(other)
+            biases.append(_before_identities(add.inputs[1 - uses[0].idx]))
         producers = {id(b.producer()) for b in biases if b.producer() is not None}
         if len(producers) != 1:
             return None
@@ -525,15 +498,15 @@ class FuseSharedMatMulPass(PairedExportPass):
 
 def _projections(split: ir.Node, axis: int) -> list[_Projection]:
     """Every MatMul or Gemm multiplying by an output of ``split`` (on ``axis`` of a 2-D
-    weight) as its right-hand side, directly or through one 2-D Transpose."""
+    weight) as its right-hand side, directly or through one 2-D Transpose, past Identity copies."""
     # [out, in] parts (axis 0) are multiplied by transposed, [in, out] parts as they are
     flips_wanted = 1 if axis == 0 else 0
     found = []
     for k, part in enumerate(split.outputs):
-        for use in part.uses():
+        for use in _uses_past_identities(part):
             reads = [(use.node, use.idx, 0)]
             if use.node.op_type == "Transpose" and _is_2d_transpose(use.node):
-                reads = [(u.node, u.idx, 1) for u in use.node.outputs[0].uses()]
+                reads = [(u.node, u.idx, 1) for u in _uses_past_identities(use.node.outputs[0])]
             for node, idx, flips in reads:
                 if idx != 1 or node.op_type not in ("MatMul", "Gemm"):
                     continue
@@ -541,6 +514,31 @@ def _projections(split: ir.Node, axis: int) -> list[_Projection]:
                     flips += node.attributes["transB"].as_int()
                 found.append(_Projection(node, k, flips % 2 == flips_wanted))
     return found
+
+
+def _is_identity(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx")
+
+
+def _uses_past_identities(value: ir.Value) -> list:
+    """The uses of ``value``, an Identity node's standing for the Identity's own: a weight that
+    several layers share reaches all but one of them through Identity copies (TorchScript keeps
+    one of equal initializers and copies it for each other use: ALBERT's one layer used N
+    times)."""
+    found = []
+    for use in value.uses():
+        if _is_identity(use.node):
+            found.extend(_uses_past_identities(use.node.outputs[0]))
+        else:
+            found.append(use)
+    return found
+
+
+def _before_identities(value: ir.Value) -> ir.Value:
+    """``value``, or what the chain of Identity nodes producing it copies."""
+    while _is_identity(value.producer()) and value.producer().inputs[0] is not None:
+        value = value.producer().inputs[0]
+    return value
 
 
 def _is_2d_transpose(node: ir.Node) -> bool:
@@ -568,7 +566,7 @@ class RefuseLeftoverGraphWeightsPass(PairedExportPass):
     def call(self, model: ir.Model) -> PassResult:
         """Refuse leftovers, remove unused ones (see the class); modified when one was removed."""
         ctx, pairing = self.ctx, self.pairing
-        leftovers = sorted((t for t in pairing.aside if _in_use(t.value)), key=lambda t: t.key)
+        leftovers = sorted((t for t in pairing.aside if in_use(t.value)), key=lambda t: t.key)
         if leftovers:
             detail = "; ".join(t.describe() for t in leftovers[:5])
             raise ExportError(f"the graph still uses {[t.key for t in leftovers[:5]]} that fusectl could not take "
@@ -584,13 +582,9 @@ class RefuseLeftoverGraphWeightsPass(PairedExportPass):
             raise ExportError(f"{ctx.graph_path} computes with none of the tensors of {ctx.checkpoint.path}: no graph "
                               "tensor (initializer or Constant) pairs with one by name, content or transposed "
                               "content. Export the graph from the model this checkpoint was fused from")
-        kept = sorted((t for t in pairing.unpaired if _in_use(t.value)), key=lambda t: t.key)
+        kept = sorted((t for t in pairing.unpaired if in_use(t.value)), key=lambda t: t.key)
         ctx.counts.kept_constants = [{**t.to_json(), "why": _why_kept(t)} for t in kept]
         return PassResult(model, bool(removed))
-
-
-def _in_use(value: ir.Value) -> bool:
-    return bool(value.uses()) or value.is_graph_output()
 
 
 # why a graph tensor that pairs with no checkpoint tensor is kept (``kept_constants``' "why")
@@ -605,3 +599,18 @@ def _why_kept(tensor: GraphTensor) -> str:
     if tensor.size <= 1:
         return KEPT_SCALAR
     return KEPT_GRAPH_OWN
+
+
+# -- 6. nothing of the checkpoint is left out -------------------------------------------------------
+
+
+class AccountForCheckpointPass(PairedExportPass):
+    """ExportError unless every unique parameter of the checkpoint that holds weights is an
+    initializer the rewritten graph computes with, or went into a fold the exporter made
+    (``accounting.account_for_checkpoint``; run last). The integer and bool tensors the graph
+    does not read are recorded (``ExportCounts.unused``)."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Account for the checkpoint (see the class); the model is not modified."""
+        self.ctx.counts.unused = account_for_checkpoint(self.ctx, self.pairing)
+        return PassResult(model, False)
