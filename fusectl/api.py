@@ -765,7 +765,8 @@ def export(ckpt, graph, out, *, force: bool = False, config: str | None = None, 
     :raises OutputError: ``out`` does not end in ``.onnx`` (checked before anything is read),
         exists without ``force``, or would overwrite an input; ExportError when a weight the
         graph holds (an initializer or a Constant, at any depth) cannot be taken from the
-        checkpoint.
+        checkpoint, when a float tensor of the checkpoint would not be in the output, or when
+        a graph below opset 13 cannot be converted.
 
     >>> import os, tempfile
     >>> folder = tempfile.mkdtemp()

@@ -499,7 +499,9 @@ def export_cmd(ckpt, graph, out, force, as_json, config_path):
     are the parts of one fused bias, 1-D, or absent. Other groups stay as they are and are
     listed (--json: not_fused). weight_norm/spectral_norm subgraphs become the folded
     initializer; Conv + BatchNormalization becomes one Conv; tied parameters are stored
-    once. OUT must end in .onnx.
+    once. Every float tensor of CKPT must end up in the graph, or the export is refused
+    naming it (integer ones the graph does not read are listed: --json unused). A GRAPH
+    below opset 13 is converted to 13 first. OUT must end in .onnx.
 
     \b
     Example:

@@ -507,3 +507,34 @@ g (float[2,4] x) => (float[2,4] q, float[2,4] k, float[2,4] v) <{declared}> {{
     x = rng.standard_normal((2, 4)).astype(np.float32)
     for got, expected in zip(run(out, x=x), run(graph, x=x)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_every_use_of_a_shared_layer_fuses_past_the_exporters_identity_copies(cli, tmp_path):
+    """ALBERT's one layer used three times, as TorchScript writes it: the first use reads the
+    transposed weights and the biases, the others Identity copies of them. Each use becomes one
+    MatMul, one bias Add and a Split (was: the first use only)."""
+    tensors = qkv_tensors(bias=True)
+    ckpt = fused(cli, tmp_path, tensors, QKV)
+    arrays = {**{f"onnx::MatMul_{k}": tensors[f"a.{n}.weight"].T.copy() for k, n in enumerate("qkv")},
+              **{f"a.{n}.bias": tensors[f"a.{n}.bias"] for n in "qkv"}}
+    declared = ", ".join([f"float[4,4] onnx::MatMul_{k}" for k in range(3)] + [f"float[4] a.{n}.bias" for n in "qkv"])
+    lines = []
+    for use in range(3):
+        h = "x" if use == 0 else f"h{use - 1}"
+        for k, n in enumerate("qkv"):
+            w, b = f"onnx::MatMul_{k}", f"a.{n}.bias"
+            if use:
+                lines += [f"w{n}{use} = Identity ({w})", f"b{n}{use} = Identity ({b})"]
+                w, b = f"w{n}{use}", f"b{n}{use}"
+            lines += [f"m{n}{use} = MatMul ({h}, {w})", f"{n}{use} = Add (m{n}{use}, {b})"]
+        lines += [f"s{use} = Add (q{use}, k{use})", f"h{use} = Add (s{use}, v{use})"]
+    graph = write_graph(tmp_path / "g.onnx", f"g (float[2,4] x) => (float[2,4] h2) <{declared}> {{\n  "
+                        + "\n  ".join(lines) + "\n}", arrays)
+    out = tmp_path / "out.onnx"
+    report = ok(cli("export", ckpt, "--graph", graph, "-o", out, "--json")).json()
+    assert report["fused_matmuls"] == 3 and report["not_fused"] == []
+    counts = op_counts(out)
+    assert (counts["MatMul"], counts["Split"], counts["Identity"]) == (3, 3, 0)
+    assert counts["Add"] == 3 + 6  # one bias Add per use, and the two sums per use
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(run(out, x=x)[0], run(graph, x=x)[0], rtol=1e-5, atol=1e-6)

@@ -195,6 +195,60 @@ def test_a_tied_embedding_used_transposed_is_one_initializer_and_a_transpose(tmp
     np.testing.assert_allclose(logits, embed[ids] @ embed.T, rtol=1e-6)
 
 
+@pytest.mark.parametrize("head_equal", [True, False])
+def test_a_tied_head_held_under_its_own_name_is_checked_like_any_named_initializer(tmp_path, head_equal):
+    """An untied graph's ``head.weight`` against a checkpoint where head.weight is tied to
+    embed.weight: the initializer pairs with its name and is replaced by the tied tensor when it
+    holds it, refused when it holds other data (it was kept as the graph's own, exit 0)."""
+    rng = np.random.default_rng(1)
+    embed = rng.standard_normal((10, 4)).astype(np.float32)
+    head = embed if head_equal else rng.standard_normal((10, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed.weight", "ids"], ["h"]),
+         helper.make_node("Transpose", ["head.weight"], ["head_t"], perm=[1, 0]),
+         helper.make_node("MatMul", ["h", "head_t"], ["logits"])],
+        "untied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 10])],
+        [numpy_helper.from_array(embed, "embed.weight"), numpy_helper.from_array(head.copy(), "head.weight")],
+    )
+    graph_path = tmp_path / "untied.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(graph_path))
+    ckpt = tmp_path / "tied.safetensors"
+    save_file({"embed.weight": embed}, str(ckpt), metadata={"head.weight": "embed.weight"})
+    out = tmp_path / "out.onnx"
+    result = run("export", ckpt, "--graph", graph_path, "-o", out)
+    if not head_equal:
+        assert result.exit_code == 2 and not out.exists()
+        assert result.stderr.startswith("error: graph initializer 'head.weight' has the name of checkpoint tensor "
+                                        "'head.weight' but holds other data")
+        return
+    ok(result)
+    assert [i.name for i in onnx.load(str(out)).graph.initializer] == ["embed.weight"]
+    ids = np.array([[1, 5, 9]], np.int64)
+    (logits,) = ort.InferenceSession(str(out)).run(None, {"ids": ids})
+    np.testing.assert_allclose(logits, embed[ids] @ embed.T, rtol=1e-6)
+
+
+ALBERT = ONNX.parent / "onnx-export" / "albert"
+
+
+def test_every_use_of_albert_s_shared_layer_fuses_its_qkv(tmp_path):
+    """TorchScript's ALBERT (3 hidden layers, one shared layer): each use of the shared q/k/v
+    reads its own transposed initializer or an Identity copy of one; all three uses fuse (was 1)."""
+    fused = tmp_path / "fused"
+    ok(run("fuse", ALBERT, "-r", ALBERT / "qkv.toml", "-o", fused, "--quiet"))
+    out = tmp_path / "out.onnx"
+    report = json.loads(ok(run("export", fused, "--graph", ALBERT / "model.onnx", "-o", out, "--json")).stdout)
+    assert report["fused_matmuls"] == 3 and report["not_fused"] == [] and report["unused"] == []
+    # per use: 3 projections + dense + 2 feed-forward + 2 attention products become 1 + 1 + 2 + 2
+    assert (op_counts(ALBERT / "model.onnx")["MatMul"], op_counts(out)["MatMul"]) == (1 + 3 * 8, 1 + 3 * 6)
+    io = np.load(ALBERT / "io.npz")
+    for output, value in run_model(out, io).items():
+        np.testing.assert_allclose(value, io[output], rtol=1e-5, atol=1e-5)
+    ok(run("verify", ALBERT / "model.onnx", out, "--inputs", ALBERT / "io.npz"))
+
+
 def test_export_refuses_an_existing_output_and_leaves_no_partial_file(tmp_path):
     fused, out = fused_export(tmp_path, "wnconv", "weight-norm-fold")
     before = out.read_bytes()

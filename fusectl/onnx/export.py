@@ -8,8 +8,8 @@ share in one ``ExportContext``):
    graph and in If/Loop/Scan bodies (``graph_tensors``) — are paired (``namemap``) with the
    names the checkpoint had before its recorded plan and set aside (a paired initializer that
    is also a graph input stops being one); Conv + BatchNorm folds the exporter made take the
-   fold of the checkpoint's tensors; stale weights (a graph tensor shaped like a checkpoint
-   tensor it does not equal) are refused.
+   fold of the checkpoint's tensors; a checkpoint tensor no graph tensor holds is refused,
+   naming the graph's own tensors that could be stale copies of it.
 2. ``FoldReparametrizationsPass``: each numeric step folds itself in the graph
    (``op.fold_in_graph``) — a weight_norm or spectral_norm subgraph over initializers becomes
    the folded weight; Conv/Gemm/ConvTranspose + BatchNormalization becomes one layer.
@@ -26,6 +26,12 @@ share in one ``ExportContext``):
 7. ``RefuseLeftoverGraphWeightsPass``: no set-aside tensor of the graph may be left in use, and
    the graph must compute with the checkpoint; the graph's own tensors still in use are
    reported (``ExportReport.kept_constants``).
+8. ``AccountForCheckpointPass``: every float parameter of the checkpoint is an initializer the
+   graph computes with (``fusectl.onnx.accounting``; pairing already refused the checkpoint
+   tensors no graph tensor holds); the integer ones it does not read are reported
+   (``ExportReport.unused``).
+
+A graph below opset 13 is converted first (``fusectl.onnx.opset``).
 
 The model is then saved (tensors streamed from the checkpoint) and checked with
 ``onnx.checker`` by path. Past ``EXTERNAL_DATA_THRESHOLD`` its tensors go to ``OUT.data``
@@ -68,8 +74,11 @@ class ExportReport:
     reading its parts on one input, and why they stay apart. ``kept_constants``: ``[{"name",
     "where", "kind", "dtype", "shape", "why"}]``, every initializer or Constant the output
     computes with that is not the checkpoint's, sorted by name: ``why`` is ``integer``
-    (integer or bool: shapes, axes, indices), ``scalar`` (one element) or ``graph-own`` (a
-    float tensor no unpaired checkpoint tensor has the shape of: a rotary table, a mask).
+    (integer or bool: shapes, axes, indices), ``scalar`` (one element) or ``graph-own`` (any
+    other float tensor: a rotary table, a mask). ``unused``: ``[{"name", "dtype", "shape",
+    "why": "integer"}]``, the checkpoint's integer tensors the graph does not read (a float one
+    is an error). ``converted_from_opset``: the graph's opset when it was below 13 and
+    converted first, else None.
     """
 
     output: str
