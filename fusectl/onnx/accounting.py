@@ -167,9 +167,18 @@ def could_hold(specs: list[TensorSpec], graph_tensors: list[GraphTensor]) -> lis
         return []
     limit = max(t.size for t in candidates)
     mask = (1 << (limit + 1)) - 1
-    reachable = 1  # bit k set: some of the sizes add up to k
+    counts: dict[int, int] = {}
     for spec in specs:
-        reachable = (reachable | (reachable << spec.numel)) & mask
+        counts[spec.numel] = counts.get(spec.numel, 0) + 1
+    reachable = 1  # bit k set: some of the sizes add up to k
+    for size, count in counts.items():
+        # ``count`` equal sizes as chunks of 1, 2, 4, … of them: every multiple up to count,
+        # in log(count) shifts (a model repeats few shapes many times)
+        chunk = 1
+        while count and 0 < size * min(chunk, count) <= limit:  # a longer shift only reaches past the limit
+            take = min(chunk, count)
+            reachable = (reachable | (reachable << size * take)) & mask
+            count, chunk = count - take, chunk * 2
     return sorted((t for t in candidates if t.size and reachable >> t.size & 1), key=lambda t: t.key)
 
 

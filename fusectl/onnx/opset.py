@@ -61,7 +61,9 @@ def upgrade_opset(model: ir.Model, graph_path: str) -> ir.Model:
     ir.external_data.set_base_dir(upgraded.graph, os.path.dirname(graph_path))
     by_name = {value.name: value for value in upgraded.graph.inputs}
     for name, tensor in initializers.items():
-        value = by_name[name]
+        value = by_name.get(name)
+        if value is None:  # the converter left out an input nothing reads
+            continue
         if name not in inputs:
             upgraded.graph.inputs.remove(value)
         value.const_value = tensor
