@@ -391,8 +391,9 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @json_option
 @untie_training_option
 @drop_option
+@order_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer):
+               untie_training, drop_optimizer, param_order):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -402,7 +403,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer), as_json)
+                     drop_optimizer=drop_optimizer, param_order=param_order), as_json)
 
 
 @command(main, "convert")

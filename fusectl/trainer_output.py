@@ -9,7 +9,7 @@
 - ``optimizer.pt`` rewritten by the torch.save writer (``io.torch_writer``): the state moved
   with each parameter and the ids renumbered in the output order (``training_output.
   moved_optimizer``, shared with training dicts), with fusectl's record naming the parameter
-  of each id and the order before fusectl's first step (``trainer_folder.order_record``);
+  of each id and the order before fusectl's first step (``optimizer_state.order_record``);
 - every other file (``scheduler.pt``, ``rng_state*.pth``, ``trainer_state.json``,
   ``training_args.bin``, ``generation_config.json``, tokenizer files, …) copied byte for byte.
 
@@ -31,8 +31,7 @@ from typing import Callable, Sequence
 
 from .errors import CheckpointError, PlanError, option, printable
 from .io.checkpoint import Checkpoint, Companion, read_config_text
-from .io.optimizer_state import read_order
-from .io.trainer_folder import order_record
+from .io.optimizer_state import order_record, read_order
 from .steps import Plan
 from .table import ParamTable
 from .training_output import model_only, moved_optimizer, tree_tensors

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..errors import CheckpointError, printable, quote
+from ..errors import CheckpointError, option, printable, quote
 from ..followers.optimizer import SCALAR_KEYS, STATE_SEP, recognise
 from ..tensors import LazyTensor, TensorSpec
 from .placement import SearchTooLarge, place, possible_positions
@@ -361,7 +361,7 @@ def _how_to_settle(first: dict, second: dict) -> str:
             "the model without its optimizer state")
 
 
-def possible_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec]],
+def possible_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec]], path: str,
                         aliases: Mapping[str, str] | None = None) -> set[str]:
     """The parameters (names of ``params``) that any of ``state``'s ids could be, without
     proving which: the named ones where the optimizer names them, else every tensor some
@@ -376,7 +376,11 @@ def possible_parameters(state: OptimizerState, params: Sequence[tuple[str, Tenso
     groups = [list(g.params) for g in state.groups]
     shapes = {p: _shape_of(state.states.get(p, {})) for g in groups for p in g}
     params = list(params)
-    positions = possible_positions(groups, shapes, params)
+    at = f"{printable(path)}: optimizer state {quote(state.where)}"
+    try:
+        positions = possible_positions(groups, shapes, params, at)
+    except SearchTooLarge as e:
+        raise SearchTooLarge(f"{e}, or {ORDER_HOW}") from None
     if positions is None:
         return {n for n, _ in params}
     return {params[k][0] for k in positions}
@@ -394,6 +398,44 @@ def state_tensors(state: OptimizerState, mapping: ParamMap, aliases: Mapping[str
                 for alias in aliases.get(name, [name]):
                     out[f"{alias}{STATE_SEP}{key}"] = value
     return out
+
+
+# keys of fusectl's record in a PyTorch file it wrote with an optimizer (a training dict's
+# metadata record, a Trainer folder's optimizer file): strings, JSON lists of names
+NAMES_KEY = "fusectl.param_names"  # the parameter of each optimizer id, in id order
+ORIGINAL_KEY = "fusectl.original_param_order"  # the parameters in the order before any fusectl step
+RECORD_KEYS = (NAMES_KEY, ORIGINAL_KEY)
+
+
+def order_record(names: Sequence[str], original: Sequence[str] | None = None) -> dict[str, str]:
+    """fusectl's record for an optimizer it writes: ``names`` the parameter of each id (in id
+    order), ``original`` (when known) the parameter order before any fusectl step."""
+    record = {NAMES_KEY: json.dumps(list(names))}
+    if original is not None:
+        record[ORIGINAL_KEY] = json.dumps(list(original))
+    return record
+
+
+def recorded_orders(record: Mapping[str, str], file: str) -> tuple[list[str] | None, list[str] | None]:
+    """(the parameter of each id, the original parameter order) from fusectl's ``record`` in
+    ``file``; None for each that is not recorded.
+
+    :raises CheckpointError: a record that is not a JSON list of distinct names."""
+    found = []
+    for key in RECORD_KEYS:
+        text = record.get(key)
+        if text is None:
+            found.append(None)
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(type(n) is str for n in value) or len(set(value)) != len(value):
+            raise CheckpointError(f"{printable(file)}: fusectl's record {key!r} is not a list of distinct "
+                                  f"names; the file was edited. Give the order with {option('param_order')}")
+        found.append(value)
+    return found[0], found[1]
 
 
 def read_order(path: str) -> list[str]:
