@@ -62,6 +62,9 @@ class Planned:
     plan: Plan
     table: ParamTable
     lora_base: Plan | None = None  # a LoRA adapter's: the plan on its base view it was lifted from
+    # a training checkpoint's plan that moves no parameter: made without its optimizer state,
+    # which is kept as read (``training_output.moves_state``)
+    state_copied: bool = False
 
     def to_json(self) -> dict:
         """The documented ``plan --json`` object: ``groups`` (each rule group as the provenance
@@ -290,20 +293,27 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
     return _plan(checkpoint, rules, untie or untie_training, detect_ties, write_ties_once, training=not drop_optimizer,
-                 untie_training=untie_training)
+                 untie_training=untie_training, may_copy=_has_optimizer(checkpoint))
 
 
 def _plan(checkpoint: Checkpoint, rules: Sequence[str], untie: bool, detect_ties: bool, write_ties_once: bool,
-          training: bool, untie_training: bool = False) -> Planned:
+          training: bool, untie_training: bool = False, may_copy: bool = False) -> Planned:
     """``plan`` on an opened checkpoint; ``training``: with a training dict's optimizer state
     (an output that holds the model only leaves it out), whose trained ties break only with
-    ``untie_training``."""
+    ``untie_training``. ``may_copy``: a plan that moves no parameter is made without the state
+    (``Planned.state_copied``), so its mapping is never needed."""
     if not rules:
         raise PlanError("give at least one rules file or preset name")
     loaded = _load_with_origins(checkpoint, rules)
     rulesets = [ruleset for ruleset, _ in loaded]
+    origins = [origin for _, origin in loaded]
+    if training and may_copy:
+        table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
+        planned = _bind(checkpoint, table, rulesets, untie, origins=origins)
+        if not _or_drop(lambda: moves_state(checkpoint, planned.plan)):
+            return replace(planned, state_copied=True)
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once, training=training)
-    planned = _bind(checkpoint, table, rulesets, untie, origins=[origin for _, origin in loaded])
+    planned = _bind(checkpoint, table, rulesets, untie, origins=origins)
     if training:
         _untied_training(checkpoint, planned.plan, untie_training)
     return planned
@@ -510,13 +520,9 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
                         "whole (a PyTorch output of a training dict with an optimizer, a folder output of a Trainer "
                         f"folder); {os.fspath(out)} is not one, so leave it out")
     untie = untie or untie_training
-    planned, copied = None, False
-    if whole and _may_copy_state(checkpoint, param_order_out):
-        planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=False)
-        copied = not _or_drop(lambda: moves_state(checkpoint, planned.plan))
-    if not copied:
-        planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole,
-                        untie_training=untie_training)
+    planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole,
+                    untie_training=untie_training, may_copy=_may_copy_state(checkpoint, param_order_out))
+    copied = planned.state_copied
     untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)

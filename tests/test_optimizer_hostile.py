@@ -182,3 +182,67 @@ def test_a_nan_step_is_refused_as_a_number_and_as_a_tensor(tmp_path, step):
     refused(run_cli("fuse", src, "-r", rules, "-o", tmp_path / "out.pt"), "'step'", "not a finite number",
             "--drop-optimizer", unwritten=[tmp_path / "out.pt"])
     ok(run_cli("fuse", src, "-r", rules, "--drop-optimizer", "-o", tmp_path / "out.pt"))
+
+
+# --- with torch: a real AdamW of 75 groups ----------------------------------------------------------
+
+
+def _real_adamw(path, named: bool):
+    """torch.optim.AdamW on 25 blocks of Linear(8, 8) + LayerNorm(8) (75 parameters), one group per
+    parameter (weight decay 0 for vectors), two steps taken, saved with torch.save; returns
+    (the model, a fresh optimizer on it as the run built it, an input for one more step)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8, bias=False))
+                                  for _ in range(25)])
+
+    def optimizer():
+        return torch.optim.AdamW([{"params": [(n, p) if named else p], "weight_decay": 0.0 if p.ndim == 1 else 0.01}
+                                  for n, p in model.named_parameters()], lr=1e-3)
+
+    opt = optimizer()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, path)
+    return model, optimizer, torch.randn(4, 8)
+
+
+def _resumed(torch, model, optimizer, x, path) -> list:
+    """The parameters after one more step resumed from ``path`` (torch.load, weights only)."""
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt = optimizer()
+    opt.load_state_dict(saved["optimizer"])
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_real_adamw_of_75_groups_is_refused_at_once_and_converts_and_resumes_bitwise(tmp_path):
+    src = tmp_path / "real.pt"
+    model, optimizer, x = _real_adamw(src, named=False)
+    torch = pytest.importorskip("torch")
+    report = ok(run_cli("inspect", src, "--json")).json()["optimizer"]
+    assert len(report["groups"]) == GROUPS and "param_names" in report["problem"]
+    ok(run_cli("convert", src, "-o", tmp_path / "copy.pt"))
+    want = _resumed(torch, model, optimizer, x, src)
+    got = _resumed(torch, model, optimizer, x, tmp_path / "copy.pt")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    rules = write_rules(tmp_path / "t.toml", concat_rule(["0.0.weight", "1.0.weight"], "01.weight"))
+    refused(run_cli("fuse", src, "-r", rules, "-o", tmp_path / "out.pt"), "param_names", "--drop-optimizer",
+            unwritten=[tmp_path / "out.pt"])
+    ok(run_cli("fuse", src, "-r", rules, "--drop-optimizer", "-o", tmp_path / "out.pt"))
+
+
+def test_a_real_adamw_of_75_groups_saved_with_names_fuses_and_unfuses_bitwise(tmp_path):
+    src = tmp_path / "named.pt"
+    _real_adamw(src, named=True)
+    rules = write_rules(tmp_path / "t.toml", 'version = 1\n[[rule]]\nop = "transpose"\ninput = "{i}.0.weight"\n'
+                                            'output = "{i}.0.weight_t"\n')
+    ok(run_cli("fuse", src, "-r", rules, "-o", tmp_path / "fused.pt"))
+    ok(run_cli("unfuse", tmp_path / "fused.pt", "-o", tmp_path / "back.pt"))
+    assert _differences(fusectl.open_checkpoint(str(src)).training.tree(),
+                        fusectl.open_checkpoint(str(tmp_path / "back.pt")).training.tree()) == []
