@@ -10,13 +10,19 @@ what ``torch.save`` would have written for the fused model's training:
   parameter order when there is one);
 - the optimizer, in the form it was read in (``io.optimizer_state.written_optimizer``):
   ``param_groups`` with their hyperparameters as read, ``params`` renumbered 0..n-1 over the
-  groups in the output parameter order (or, keyed by name, an unchanged parameter's name as
+  groups in the output parameter order (by default the input optimizer's, a fused parameter where
+  its first part was; or, keyed by name, an unchanged parameter's name as
   read and a fused one's name), ``state`` keyed alike with each parameter's moved state tensors
   and its numbers (kept once for a fused parameter);
-- every other entry of the training dict as read; fusectl's provenance in its metadata record.
+- every other entry of the training dict as read; fusectl's provenance in its metadata record,
+  with the parameter of each new optimizer id (``optimizer_state.order_record``), so the output
+  maps without being told its order.
 
-The output parameter order is, by default, the state dict's: a fused parameter takes the
-position of its first part. A model that declares its parameters in another order (Phi-3
+A plan that moves no parameter (``convert``; rules that touch no tensor the optimizer could hold
+state for: :func:`moves_state`) writes the optimizer as it was read, never mapping its ids.
+
+The output parameter order is, by default, the input's — the state dict's for the model, the
+optimizer's own ids' for its groups —: a fused parameter takes the position of its first part. A model that declares its parameters in another order (Phi-3
 declares ``o_proj`` before ``qkv_proj``) is given it as a JSON list
 (``[n for n, _ in new_model.named_parameters()]``; ``param_order_out``): each group's
 parameters are sorted by it.
@@ -76,8 +82,8 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
 
     :raises PlanError: a parameter of a param group that ``param_order_out`` does not list, a
         name it lists that the fused model does not hold, a fused parameter whose parts have
-        different numbers of state or sit in two groups, a per-parameter number that is not
-        finite. Nothing is written then.
+        different numbers of state or sit in two groups; CheckpointError: a per-parameter number
+        that is not finite, a tensor whose name holds the state separator. Nothing is written then.
     """
     training = checkpoint.training
     if state_copied:

@@ -38,16 +38,6 @@ from ..table import ParamTable
 # (``training_output``) or made by a rule (:meth:`OptimizerFollower.lift`), never taken for state
 STATE_SEP = "::"
 
-
-def refuse_separator(names: Iterable[str], where: str, error: type[Exception] = PlanError,
-                     remedy: str = "give it another name, or write the model alone to a .safetensors file") -> None:
-    """``error`` naming the first of ``names`` (tensors of the model) that holds :data:`STATE_SEP`:
-    in a training checkpoint such a name would read as an optimizer state, and be written as one."""
-    found = next((n for n in names if STATE_SEP in n), None)
-    if found is not None:
-        raise error(f"{where}: the tensor {quote(found)} holds {STATE_SEP!r} in its name, which in a training "
-                    f"checkpoint marks an optimizer state (<parameter>{STATE_SEP}<key>), so fusectl would take it for "
-                    f"one; {remedy}")
 # state entries that are one number per parameter, not shaped like it
 SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 
@@ -79,6 +69,17 @@ REFUSED: tuple[tuple[str, frozenset, frozenset, str], ...] = (
     ("LAMB/LARS", frozenset(), frozenset({"trust_clip", "trust_coeff", "trust_coefficient", "always_adapt"}),
      "its trust ratio is a norm over a whole tensor"),
 )
+
+
+def refuse_separator(names: Iterable[str], where: str, error: type[Exception] = PlanError,
+                     remedy: str = "give it another name, or write the model alone to a .safetensors file") -> None:
+    """``error`` naming the first of ``names`` (tensors of the model) that holds :data:`STATE_SEP`:
+    in a training checkpoint such a name would read as an optimizer state, and be written as one."""
+    found = next((n for n in names if STATE_SEP in n), None)
+    if found is not None:
+        raise error(f"{where}: the tensor {quote(found)} holds {STATE_SEP!r} in its name, which in a training "
+                    f"checkpoint marks an optimizer state (<parameter>{STATE_SEP}<key>), so fusectl would take it for "
+                    f"one; {remedy}")
 
 
 def recognise(keys: set, hypers: Sequence[dict]) -> tuple[str, str | None]:
