@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .errors import CheckpointError, FusectlError, cli_vocabulary, printable
+from .errors import CheckpointError, FusectlError, cli_vocabulary, offering, printable
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -136,9 +137,19 @@ debug_option = click.option(
 
 
 def command(group, name, **kwargs):
-    """A subcommand with --debug."""
+    """A subcommand with --debug, run offering the library's messages its own options only
+    (``errors.offering``: no advice names an option the command lacks)."""
     def wrap(fn):
-        return group.command(name, **kwargs)(debug_option(fn))
+        cmd = group.command(name, **kwargs)(debug_option(fn))
+        callback, names = cmd.callback, frozenset(p.name for p in cmd.params)
+
+        @functools.wraps(callback)
+        def run_offering(*args, **options):
+            with offering(names):
+                return callback(*args, **options)
+
+        cmd.callback = run_offering
+        return cmd
     return wrap
 
 

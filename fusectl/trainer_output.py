@@ -20,7 +20,7 @@ position with the new model's ``named_parameters()``, in the Trainer's decay / n
 ``param_order_out``'s list where given; else, with ``param_order_from_model``, the order the
 output ``config.json``'s class declares (transformers on the meta device, ``io.model_order``);
 for an unfuse, the original order fusectl recorded; else the input's order, each fused parameter
-where its first part was.
+where its first part was (an unfused part where its fused parameter was).
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ def _output_order(checkpoint: Checkpoint, companions: Sequence[Companion], param
     """(the output parameter order, what names it in messages), or (None, None) for the default."""
     if param_order_out is not None:
         return read_order(os.fspath(param_order_out)), os.fspath(param_order_out)
-    if restore:
-        return checkpoint.original_order(), f"the original order recorded in {checkpoint.training.file}"
+    original = checkpoint.recorded_original_order() if restore else None
+    if original is not None:  # else, the record lost, each part where its fused parameter was
+        return original, f"the original order recorded in {checkpoint.training.file}"
     if from_model:
         from .io.model_order import order_from_model
         config = _output_config(companions)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..errors import CheckpointError, option, option_name, printable
+from ..errors import CheckpointError, offers, option, option_name, printable
 from ..followers import Followers, Source, detect
 from ..followers.optimizer import refuse_separator
 from ..table import ParamTable
@@ -110,7 +110,7 @@ class Checkpoint:
         try:
             return state, map_parameters(state, params, self.path, order, source, aliases=names)
         except CheckpointError as e:
-            if order is None and isinstance(self.training, TrainerOptimizer):
+            if order is None and isinstance(self.training, TrainerOptimizer) and offers("param_order_from_model"):
                 raise type(e)(f"{e} (a Trainer folder's weights do not keep the order where they are "
                               f"safetensors; with torch and transformers installed, "
                               f"{option('param_order_from_model')} "
@@ -176,13 +176,21 @@ class Checkpoint:
         record = self.training.record if isinstance(self.training, TrainerOptimizer) else self.metadata
         return recorded_orders(record, self._record_file())[0]
 
+    def recorded_original_order(self) -> list[str] | None:
+        """The parameter order before fusectl's first step as fusectl recorded it in a Trainer
+        folder's optimizer file; None where it is not recorded (another checkpoint, or an
+        optimizer file saved again by the Trainer)."""
+        if not isinstance(self.training, TrainerOptimizer):
+            return None
+        return recorded_orders(self.training.record, self.training.file)[1]
+
     def original_order(self) -> list[str] | None:
         """The parameter order before fusectl's first step, for a Trainer folder: recorded by
         fusectl in its optimizer file, else the order the optimizer was given (``given_order``;
         its ids' order where neither is known). None for other checkpoints."""
         if not isinstance(self.training, TrainerOptimizer):
             return None
-        recorded = recorded_orders(self.training.record, self.training.file)[1]
+        recorded = self.recorded_original_order()
         if recorded is not None:
             return recorded
         order, _ = self.given_order
