@@ -38,7 +38,8 @@ from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .io.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
-from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
+from .training_output import model_steps, model_ties, moves_state, write_training, write_without_optimizer, \
+    writes_training
 from .twins import MovedTwin, move_twins
 from .write import write_table
 
@@ -61,6 +62,9 @@ class Planned:
     plan: Plan
     table: ParamTable
     lora_base: Plan | None = None  # a LoRA adapter's: the plan on its base view it was lifted from
+    # a training checkpoint's plan that moves no parameter: made without its optimizer state,
+    # which is kept as read (``training_output.moves_state``)
+    state_copied: bool = False
 
     def to_json(self) -> dict:
         """The documented ``plan --json`` object: ``groups`` (each rule group as the provenance
@@ -189,11 +193,18 @@ def _training_table(checkpoint: Checkpoint) -> ParamTable:
     """The checkpoint's table with its optimizer state (``Checkpoint.training_table``); an
     optimizer that cannot be read or mapped is a CheckpointError that also says how to write
     the model without it."""
+    _or_drop(lambda: checkpoint.optimizer_mapped)
+    return checkpoint.training_table()
+
+
+def _or_drop(call: Callable[[], object]):
+    """``call()``, a CheckpointError from it (an optimizer that cannot be read or mapped) also
+    saying how to write the model without the optimizer."""
     try:
-        return checkpoint.training_table()
+        return call()
     except CheckpointError as e:
-        raise CheckpointError(f"{e}; or pass {option('drop_optimizer')} to write the model without its optimizer "
-                              "state") from None
+        raise type(e)(f"{e}; or pass {option('drop_optimizer')} to write the model without its optimizer "
+                      "state") from None
 
 
 def _has_optimizer(checkpoint: Checkpoint) -> bool:
@@ -282,20 +293,27 @@ def plan(ckpt, rules: Sequence[str], *, config: str | None = None, untie: bool =
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
     return _plan(checkpoint, rules, untie or untie_training, detect_ties, write_ties_once, training=not drop_optimizer,
-                 untie_training=untie_training)
+                 untie_training=untie_training, may_copy=_has_optimizer(checkpoint))
 
 
 def _plan(checkpoint: Checkpoint, rules: Sequence[str], untie: bool, detect_ties: bool, write_ties_once: bool,
-          training: bool, untie_training: bool = False) -> Planned:
+          training: bool, untie_training: bool = False, may_copy: bool = False) -> Planned:
     """``plan`` on an opened checkpoint; ``training``: with a training dict's optimizer state
     (an output that holds the model only leaves it out), whose trained ties break only with
-    ``untie_training``."""
+    ``untie_training``. ``may_copy``: a plan that moves no parameter is made without the state
+    (``Planned.state_copied``), so its mapping is never needed."""
     if not rules:
         raise PlanError("give at least one rules file or preset name")
     loaded = _load_with_origins(checkpoint, rules)
     rulesets = [ruleset for ruleset, _ in loaded]
+    origins = [origin for _, origin in loaded]
+    if training and may_copy:
+        table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once)
+        planned = _bind(checkpoint, table, rulesets, untie, origins=origins)
+        if not _or_drop(lambda: moves_state(checkpoint, planned.plan)):
+            return replace(planned, state_copied=True)
     table = _prepared_table(checkpoint, rulesets, detect_ties, write_ties_once, training=training)
-    planned = _bind(checkpoint, table, rulesets, untie, origins=[origin for _, origin in loaded])
+    planned = _bind(checkpoint, table, rulesets, untie, origins=origins)
     if training:
         _untied_training(checkpoint, planned.plan, untie_training)
     return planned
@@ -315,7 +333,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
            progress, on_note, lora_base: Plan | None = None, whole_training: bool = False,
            param_order_out: str | None = None, moved: Plan | None = None,
            param_order_from_model: bool = False, dropped: bool = False,
-           untied: Sequence[Sequence[str]] = (), twins: Sequence[MovedTwin] = ()) -> FuseReport:
+           untied: Sequence[Sequence[str]] = (), twins: Sequence[MovedTwin] = (),
+           state_copied: bool = False) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from.
@@ -327,7 +346,9 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     purpose (no note; a PyTorch output is the training dict without it,
     ``training_output.write_without_optimizer``); ``untied``: tie groups of trained parameters
     the plan broke (``untie_training``); both go into the report's ``optimizer``. ``twins``: the
-    model's copies after the plan (``fusectl.twins``), written at their keys of a training dict."""
+    model's copies after the plan (``fusectl.twins``), written at their keys of a training dict.
+    ``state_copied``: a training dict written whole whose plan moves no parameter
+    (``training_output.moves_state``): ``table`` is the model's, the optimizer is written as read."""
     out = os.fspath(out)
     training = checkpoint.training
     trainer = isinstance(training, TrainerOptimizer)
@@ -335,7 +356,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     unchanged = trainer and not new.groups and not dropped and output_kind(out) == "folder"
     fate = None
     if _has_optimizer(checkpoint):
-        state = "moved" if whole_training else "dropped" if dropped else "copied" if unchanged else "not written"
+        state = "copied" if state_copied or unchanged else "moved" if whole_training else \
+            "dropped" if dropped else "not written"
         fate = {"where": training.optimizer_key, "state": state, "untied": [list(g) for g in untied],
                 "trajectory_changes": bool(untied)}
     if whole_training and trainer:
@@ -358,7 +380,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         made = new if moved is None else moved
         if whole_training:
             report = write_training(checkpoint, table, made, recorded, out, param_order_out=param_order_out,
-                                    force=force, on_note=on_note, twins=twins)
+                                    force=force, on_note=on_note, twins=twins, state_copied=state_copied)
         else:  # dropped: the training dict without its optimizer
             report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note,
                                              twins=twins)
@@ -499,8 +521,9 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
                         f"folder); {os.fspath(out)} is not one, so leave it out")
     untie = untie or untie_training
     planned = _plan(checkpoint, rules, untie, detect_ties, write_ties_once, training=whole,
-                    untie_training=untie_training)
-    untied = _untied_training(checkpoint, planned.plan, untie_training) if whole else []
+                    untie_training=untie_training, may_copy=_may_copy_state(checkpoint, param_order_out))
+    copied = planned.state_copied
+    untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     twins = _moved_twins(checkpoint, planned.start, planned.plan, out)
@@ -508,7 +531,14 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
                          whole_training=whole, param_order_out=param_order_out,
                          param_order_from_model=param_order_from_model, dropped=drop_optimizer,
-                         untied=untied, twins=twins), started)
+                         untied=untied, twins=twins, state_copied=copied), started)
+
+
+def _may_copy_state(checkpoint: Checkpoint, param_order_out) -> bool:
+    """Whether a training dict written whole may keep its optimizer as read when no step moves a
+    parameter: not when ``param_order_out`` renumbers it, nor for a Trainer folder (whose
+    ``optimizer.pt`` fusectl rewrites with its record)."""
+    return param_order_out is None and not isinstance(checkpoint.training, TrainerOptimizer)
 
 
 def _moved_twins(checkpoint: Checkpoint, start: ParamTable, plan: Plan, out) -> list[MovedTwin]:
@@ -524,7 +554,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            untie: bool = False, write_ties_once: bool = False, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
-           untie_training: bool = False) -> FuseReport:
+           untie_training: bool = False, param_order: str | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
@@ -536,7 +566,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     the optimizer's state, the parameters in the unfused table's order (a fused parameter's parts
     where it was: the original order after a fuse in the default order), every other entry kept. A fused
     Hugging Face Trainer folder unfused to a folder is written whole as well, its optimizer's
-    parameters in the original order fusectl recorded in its ``optimizer.pt``.
+    parameters in the original order fusectl recorded in its ``optimizer.pt``. A fused training
+    dict fusectl wrote records the parameter of each optimizer id, so it is mapped without being
+    told the order; ``param_order`` gives the order where that record was lost.
 
     :param ckpt: the fused checkpoint: a path or an opened :class:`~fusectl.io.checkpoint.Checkpoint`.
     :param out: the output: ``FILE.safetensors``, ``FILE.npz`` or a folder.
@@ -553,6 +585,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
     :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
     :param untie_training: as :func:`plan`'s: inverted rules may break ties of trained parameters.
+    :param param_order: as :func:`plan`'s: the fused optimizer's parameter order (the fused
+        model's ``named_parameters()``), for a file without fusectl's record whose shapes do not
+        prove it.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
         tensors; OutputError as :func:`fuse`.
@@ -567,18 +602,27 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     from .rules.inverse import invert_with_proof
 
     started = time.monotonic()
-    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
+    checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
     whole = writes_training(checkpoint, out) and not drop_optimizer
     untie = untie or untie_training
+    copied = False
     if rules:
         loaded = _load_with_origins(checkpoint, rules)
         history = _bound_history(checkpoint)
-        rulesets, proof = invert_with_proof([r for r, _ in loaded], [o for _, o in loaded], history,
-                                            str(checkpoint.path))
-        start = _prepared_table(checkpoint, rulesets, False, write_ties_once, training=whole)
-        planned = _bind(checkpoint, start, rulesets, untie, proof=proof)
-        untied = _untied_training(checkpoint, planned.plan, untie_training) if whole else []
+
+        def bound(training: bool):  # a proof admits each binding once: a new one per binding
+            rulesets, proof = invert_with_proof([r for r, _ in loaded], [o for _, o in loaded], history,
+                                                str(checkpoint.path))
+            start = _prepared_table(checkpoint, rulesets, False, write_ties_once, training=training)
+            return start, _bind(checkpoint, start, rulesets, untie, proof=proof), proof
+
+        if whole and _may_copy_state(checkpoint, None):
+            start, planned, proof = bound(False)
+            copied = not _or_drop(lambda: moves_state(checkpoint, planned.plan))
+        if not copied:
+            start, planned, proof = bound(whole)
+        untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
         table = run_plan(start, planned.plan, str(checkpoint.path), untie)
         twins = _moved_twins(checkpoint, start, planned.plan, out)
         history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
@@ -591,20 +635,23 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         if checkpoint.provenance is None or not checkpoint.provenance.plan.groups:
             raise PlanError(f"{checkpoint.path}: no fusectl provenance to undo; pass {option('rules')} to invert "
                             "rules instead")
-        start = _training_table(checkpoint) if whole else checkpoint.table.copy()
+        inverse = checkpoint.provenance.plan.inverse()
+        copied = whole and _may_copy_state(checkpoint, None) and \
+            not _or_drop(lambda: moves_state(checkpoint, inverse))
+        start = _training_table(checkpoint) if whole and not copied else checkpoint.table.copy()
         if write_ties_once:
             start.store_once()
-        inverse = checkpoint.provenance.plan.inverse()
-        if whole:  # the optimizer state takes each inverse step with its parameter
+        if whole and not copied:  # the optimizer state takes each inverse step with its parameter
             inverse = lift_recorded(start, inverse, checkpoint.followers.riders(), untie)
-        untied = _untied_training(checkpoint, inverse, untie_training) if whole else []
+        untied = _untied_training(checkpoint, inverse, untie_training) if whole and not copied else []
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
         twins = _moved_twins(checkpoint, start, inverse, out)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
-                         moved=moved, dropped=drop_optimizer, untied=untied, twins=twins), started)
+                         moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied),
+                  started)
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:
@@ -626,9 +673,9 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
-    A training dict with an optimizer written to a PyTorch file is written whole, as
-    :func:`fuse` writes it (its optimizer's ids numbered 0..n-1 in the state dict's order);
-    other outputs, and any output with ``drop_optimizer``, hold the model only.
+    A training dict with an optimizer written to a PyTorch file is written whole, its optimizer
+    as it was read (no step moves a parameter, so its ids need not be mapped to them); other
+    outputs, and any output with ``drop_optimizer``, hold the model only.
 
     :param ckpt: the checkpoint: a path (any format fusectl reads: PyTorch files and
         ``pytorch_model*.bin`` folders, read without torch; an ONNX model's initializers;
@@ -643,7 +690,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     :param key: the state dict inside a PyTorch training dict (dotted for nesting).
     :param progress: progress on stderr: None when stderr is a terminal, True always, False never.
     :param on_note: called with each note that is not an error (edits left out, leftovers cleaned).
-    :param param_order: as :func:`plan`'s: the optimizer's parameter order, where shapes do not prove it.
+    :param param_order: as :func:`plan`'s: the optimizer's parameter order, where shapes do not
+        prove it (only read where the mapping is needed: never for the state written as read).
     :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
     :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
@@ -663,12 +711,13 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
     whole = writes_training(checkpoint, out) and not drop_optimizer and \
         not isinstance(checkpoint.training, TrainerOptimizer)
-    table = _training_table(checkpoint) if whole else checkpoint.table.copy()
+    table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:
         table.store_once()
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
-                         progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer), started)
+                         progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer,
+                         state_copied=whole), started)
 
 
 def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,

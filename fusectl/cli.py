@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .errors import CheckpointError, FusectlError, cli_vocabulary, printable
+from .errors import CheckpointError, FusectlError, cli_vocabulary, offering, printable
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -136,9 +137,19 @@ debug_option = click.option(
 
 
 def command(group, name, **kwargs):
-    """A subcommand with --debug."""
+    """A subcommand with --debug, run offering the library's messages its own options only
+    (``errors.offering``: no advice names an option the command lacks)."""
     def wrap(fn):
-        return group.command(name, **kwargs)(debug_option(fn))
+        cmd = group.command(name, **kwargs)(debug_option(fn))
+        callback, names = cmd.callback, frozenset(p.name for p in cmd.params)
+
+        @functools.wraps(callback)
+        def run_offering(*args, **options):
+            with offering(names):
+                return callback(*args, **options)
+
+        cmd.callback = run_offering
+        return cmd
     return wrap
 
 
@@ -391,8 +402,9 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @json_option
 @untie_training_option
 @drop_option
+@order_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer):
+               untie_training, drop_optimizer, param_order):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -402,7 +414,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer), as_json)
+                     drop_optimizer=drop_optimizer, param_order=param_order), as_json)
 
 
 @command(main, "convert")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-from typing import Iterator
+from typing import Iterable, Iterator
 
 
 class FusectlError(Exception):
@@ -117,6 +117,36 @@ def cli_vocabulary() -> Iterator[None]:
         yield
     finally:
         _vocabulary.reset(token)
+
+
+# the options of the command running (API names), inside :func:`offering`; None: any (the API)
+_offered: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("fusectl_offered", default=None)
+
+
+@contextlib.contextmanager
+def offering(names: Iterable[str]) -> Iterator[None]:
+    """Within this block the caller has only the options ``names`` (API names): the CLI runs each
+    command inside it with the command's own, so a message offers only advice it can follow."""
+    token = _offered.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _offered.reset(token)
+
+
+def offers(name: str) -> bool:
+    """Whether the caller can pass option ``name``: the running command has it (inside
+    :func:`offering`), or anything goes (outside, as for the API).
+
+    >>> offers("param_order_from_model")
+    True
+    >>> with offering({"param_order"}):
+    ...     offers("param_order_from_model")
+    False
+    """
+    OPTIONS[name]  # an unknown name is a bug here, not later
+    offered = _offered.get()
+    return offered is None or name in offered
 
 
 def option(name: str, value: object = None) -> str:

@@ -176,9 +176,9 @@ def optimizer_report(c: Checkpoint) -> dict | None:
     if state is None:
         return None
     follower = c.followers.of("optimizer")
-    if follower is not None:
-        return {**follower.report(), "problem": None}
     try:
+        if follower is not None:
+            return {**follower.report(), "problem": None}
         c.optimizer_mapped
         problem = "not mapped"
     except CheckpointError as e:

@@ -59,6 +59,8 @@ LIMITS: dict[str, Limit] = {
         Limit("pickle-hash-keys", 10_000, "dict keys or set members in a PyTorch checkpoint's pickle that are "
               "not strings or small integers (numbers and tuples, whose hashes a file can make collide)"),
         Limit("expanded-bytes", 4_000_000_000, "bytes of one tensor that repeats its stored elements (an expanded view)"),
+        Limit("order-search", 10_000_000, "steps of work proving from shapes which parameter each optimizer state "
+              "belongs to (positions, matchings and search states, each paid for before it is made)"),
     )
 }
 

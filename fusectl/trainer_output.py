@@ -9,7 +9,7 @@
 - ``optimizer.pt`` rewritten by the torch.save writer (``io.torch_writer``): the state moved
   with each parameter and the ids renumbered in the output order (``training_output.
   moved_optimizer``, shared with training dicts), with fusectl's record naming the parameter
-  of each id and the order before fusectl's first step (``trainer_folder.order_record``);
+  of each id and the order before fusectl's first step (``optimizer_state.order_record``);
 - every other file (``scheduler.pt``, ``rng_state*.pth``, ``trainer_state.json``,
   ``training_args.bin``, ``generation_config.json``, tokenizer files, …) copied byte for byte.
 
@@ -20,7 +20,7 @@ position with the new model's ``named_parameters()``, in the Trainer's decay / n
 ``param_order_out``'s list where given; else, with ``param_order_from_model``, the order the
 output ``config.json``'s class declares (transformers on the meta device, ``io.model_order``);
 for an unfuse, the original order fusectl recorded; else the input's order, each fused parameter
-where its first part was.
+where its first part was (an unfused part where its fused parameter was).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from typing import Callable, Sequence
 
 from .errors import CheckpointError, PlanError, option, printable
 from .io.checkpoint import Checkpoint, Companion, read_config_text
-from .io.optimizer_state import read_order
-from .io.trainer_folder import order_record
+from .io.optimizer_state import order_record, read_order
 from .steps import Plan
 from .table import ParamTable
 from .training_output import model_only, moved_optimizer, tree_tensors
@@ -86,8 +85,9 @@ def _output_order(checkpoint: Checkpoint, companions: Sequence[Companion], param
     """(the output parameter order, what names it in messages), or (None, None) for the default."""
     if param_order_out is not None:
         return read_order(os.fspath(param_order_out)), os.fspath(param_order_out)
-    if restore:
-        return checkpoint.original_order(), f"the original order recorded in {checkpoint.training.file}"
+    original = checkpoint.recorded_original_order() if restore else None
+    if original is not None:  # else, the record lost, each part where its fused parameter was
+        return original, f"the original order recorded in {checkpoint.training.file}"
     if from_model:
         from .io.model_order import order_from_model
         config = _output_config(companions)

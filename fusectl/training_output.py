@@ -10,13 +10,19 @@ what ``torch.save`` would have written for the fused model's training:
   parameter order when there is one);
 - the optimizer, in the form it was read in (``io.optimizer_state.written_optimizer``):
   ``param_groups`` with their hyperparameters as read, ``params`` renumbered 0..n-1 over the
-  groups in the output parameter order (or, keyed by name, an unchanged parameter's name as
+  groups in the output parameter order (by default the input optimizer's, a fused parameter where
+  its first part was; or, keyed by name, an unchanged parameter's name as
   read and a fused one's name), ``state`` keyed alike with each parameter's moved state tensors
   and its numbers (kept once for a fused parameter);
-- every other entry of the training dict as read; fusectl's provenance in its metadata record.
+- every other entry of the training dict as read; fusectl's provenance in its metadata record,
+  with the parameter of each new optimizer id (``optimizer_state.order_record``), so the output
+  maps without being told its order.
 
-The output parameter order is, by default, the state dict's: a fused parameter takes the
-position of its first part. A model that declares its parameters in another order (Phi-3
+A plan that moves no parameter (``convert``; rules that touch no tensor the optimizer could hold
+state for: :func:`moves_state`) writes the optimizer as it was read, never mapping its ids.
+
+The output parameter order is, by default, the input's — the state dict's for the model, the
+optimizer's own ids' for its groups —: a fused parameter takes the position of its first part. A model that declares its parameters in another order (Phi-3
 declares ``o_proj`` before ``qkv_proj``) is given it as a JSON list
 (``[n for n, _ in new_model.named_parameters()]``; ``param_order_out``): each group's
 parameters are sorted by it.
@@ -29,16 +35,20 @@ in the default order unfuses to the original training dict, bitwise and in order
 from __future__ import annotations
 
 import collections
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
-from .errors import PlanError, option, printable, quote
-from .followers.optimizer import STATE_SEP
+import numpy as np
+
+from .errors import CheckpointError, InternalError, PlanError, option, printable, quote
+from .followers.optimizer import SCALAR_KEYS, STATE_SEP, refuse_separator
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.optimizer_state import LIGHTNING_KEY, node_at, read_order, training_tree, written_optimizer
+from .io.optimizer_state import LIGHTNING_KEY, RECORD_KEYS, node_at, order_record, read_order, training_tree, \
+    written_optimizer
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
@@ -60,21 +70,60 @@ def writes_training(checkpoint: Checkpoint, out) -> bool:
 
 def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
                    param_order_out: str | None = None, force: bool = False,
-                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
+                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = (),
+                   state_copied: bool = False) -> WriteReport:
     """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its
     training table) as its model and optimizer state, ``twins`` (``fusectl.twins``: the
-    model's copies after its plan) at their keys, ``recorded`` as its provenance.
+    model's copies after its plan) at their keys, ``recorded`` as its provenance, and the
+    parameter of each optimizer id in fusectl's record (``optimizer_state.order_record``: read
+    back, the output maps without being told its order). ``state_copied``: no step moves a
+    parameter (:func:`moves_state`), so ``table`` is the model's alone and the optimizer is
+    written as it was read, ids and record included, its mapping never needed.
 
     :raises PlanError: a parameter of a param group that ``param_order_out`` does not list, a
         name it lists that the fused model does not hold, a fused parameter whose parts have
-        different numbers of state or sit in two groups. Nothing is written then.
+        different numbers of state or sit in two groups; CheckpointError: a per-parameter number
+        that is not finite, a tensor whose name holds the state separator. Nothing is written then.
     """
     training = checkpoint.training
+    if state_copied:
+        model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
+        model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
+        root = training_tree(training.tree(), training.model_key, model, None, None, twin_entries(checkpoint, twins))
+        record = {k: v for k, v in checkpoint.metadata.items() if k in RECORD_KEYS}
+        return _write_tree(checkpoint, table, root, recorded, out, force, on_note, record, model_alone=True)
     order = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
     moved = moved_optimizer(checkpoint, table, plan, order=order, order_source=param_order_out)
     root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer,
                          twin_entries(checkpoint, twins))
-    return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
+    _check_whole(checkpoint, table, root)
+    return _write_tree(checkpoint, table, root, recorded, out, force, on_note, order_record(moved.names))
+
+
+def moves_state(checkpoint: Checkpoint, plan: Plan) -> bool:
+    """Whether ``plan`` (the model's steps) touches a tensor of ``checkpoint`` that its optimizer
+    could hold state for (``Checkpoint.possible_parameters``, proven or not): when it does not,
+    the optimizer is written as it was read and its mapping is never needed."""
+    possible = checkpoint.possible_parameters()
+    table = checkpoint.table
+    return any(table.unique_name(n) in possible for step in plan.steps for n in step.inputs if n in table)
+
+
+def _check_whole(checkpoint: Checkpoint, table: ParamTable, root) -> None:
+    """Every tensor of ``table`` is in the tree ``root`` to write — each model tensor, and each
+    parameter's state (an untied member's copy as its source; a tied group keeps the one state
+    of its unique name, its other members' entries are that state): a tensor left out would
+    vanish from an output that exits 0. InternalError otherwise, a bug of fusectl's."""
+    written = {id(t.source) if isinstance(t, _Copy) else id(t) for t in tree_tensors(root)}
+
+    def needed(name: str) -> bool:
+        parameter, sep, _ = name.partition(STATE_SEP)
+        return not sep or table.unique_name(parameter) == parameter
+
+    lost = next((n for n, t in table.entries.items() if id(t) not in written and needed(n)), None)
+    if lost is not None:
+        raise InternalError(f"{checkpoint.path}: the tensor {lost!r} of the plan's result is not in the training "
+                            "dict to write; nothing was written")
 
 
 def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tuple[str, dict]]:
@@ -114,22 +163,27 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     """The model and optimizer state ``table`` holds after ``plan`` (the state tensors moved with
     their parameters), the optimizer's ids renumbered 0..n-1 over its groups in the output order:
     ``order`` where given (each group sorted by it; ``order_source`` names it in messages), else
-    each parameter where its first part stands in ``positions`` (default: the checkpoint's state
-    dict order).
+    each parameter where its first part stands in ``positions`` (default: the input optimizer's
+    own order, its ids' — what ``Optimizer.load_state_dict`` pairs with the model's parameters).
+    The model state dict keeps the checkpoint's order (``order`` first where given), each fused
+    tensor where its first part was.
 
     :raises PlanError: see :func:`write_training`.
     """
     training = checkpoint.training
     state, mapping = checkpoint.optimizer_mapped
     model_names = [n for n in table.entries if STATE_SEP not in n]
-    model_order, origins, position = _model_order(checkpoint, model_names, plan, order or [], positions)
+    model_order, origins, _ = _model_order(checkpoint, model_names, plan, order or [])
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
+    if positions is None:
+        positions = [mapping.names[p] for p in state.ids() if p in mapping.names]
+    optimizer_order, _, position = _model_order(checkpoint, model_names, plan, order or [], positions)
 
     # each output parameter of the optimizer: the unique name, its group, its input ids
     group_of = {name: state.group_of(pid) for pid, name in mapping.names.items()}
     id_of = {name: pid for pid, name in mapping.names.items()}
     members: dict[str, list] = {}
-    for name in model_order:
+    for name in optimizer_order:
         unique = table.unique_name(name)
         if unique != name or unique in members:
             continue
@@ -185,7 +239,7 @@ def write_without_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Pla
         root = _without(root, parts[:-2], {LIGHTNING_KEY, "lr_schedulers"})
     else:
         root = _without(root, parts[:-1], {parts[-1]})
-    return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
+    return _write_tree(checkpoint, table, root, recorded, out, force, on_note, model_alone=True)
 
 
 def _without(tree, where: list[str], keys: set[str]):
@@ -219,11 +273,19 @@ def _model_order(checkpoint: Checkpoint, model_names: list[str], plan: Plan, ord
 
 
 def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, recorded: Plan, out: str, force: bool,
-                on_note) -> WriteReport:
-    """Write the training tree ``root`` whose model is ``table``'s, ``recorded`` as its provenance."""
+                on_note, record: Mapping[str, str] | None = None, model_alone: bool = False) -> WriteReport:
+    """Write the training tree ``root`` whose model is ``table``'s, ``recorded`` as its provenance,
+    ``record`` (``optimizer_state.order_record``) beside it. A tensor of the model whose name holds
+    the state separator is refused, in the input or, where ``table`` holds the model alone (the
+    optimizer written as read, or left out), in ``table``: it would read as an optimizer state,
+    its steps left out of the provenance."""
+    refuse_separator(checkpoint.table.entries, printable(checkpoint.path), CheckpointError)
+    if model_alone:
+        refuse_separator(table.entries, printable(out), remedy="give the rule's output another name")
     model_table = model_only(table)
     shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
-    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata}
+    metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata,
+                **(record or {})}
     written = {id(t): t for t in tree_tensors(root)}
     from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
@@ -291,27 +353,50 @@ def _ordered(groups: list[list[str]], order: list[str], model_names: list[str], 
 
 def _state_of(name: str, parts: list[str], state, id_of: Mapping, table: ParamTable, path: str) -> dict:
     """The optimizer state of output parameter ``name``: its moved tensors from ``table``, its
-    numbers from its parts' states (equal across them, kept once)."""
+    numbers from its parts' states (equal across them, kept once), each per-parameter number
+    finite (:func:`_check_finite`)."""
     first = state.states.get(id_of[parts[0]], {})
     entry = {}
     for key, value in first.items():
         moved = table.entries.get(f"{name}{STATE_SEP}{key}")
         if moved is not None:
             entry[key] = moved
+            _check_finite(key, moved, name, path)
             continue
         if isinstance(value, LazyTensor):
             raise PlanError(f"{printable(path)}: the state {quote(key)} of {quote(name)} was not moved with it; "
                             "fusectl cannot write this optimizer")
-        values = {state.states.get(id_of[p], {}).get(key) for p in parts}
-        if len(values) != 1:
+        values = [state.states.get(id_of[p], {}).get(key) for p in parts]
+        for v in values:
+            _check_finite(key, v, name, path)
+        if len(set(values)) != 1:  # finite, so equal values are one
             raise PlanError(f"{printable(path)}: the parts of {quote(name)} hold different {quote(key)} states "
-                            f"({', '.join(map(repr, sorted(values, key=repr)))}); one fused parameter keeps one")
+                            f"({', '.join(map(repr, sorted(set(values), key=repr)))}); one fused parameter keeps one")
         entry[key] = value
     for p in parts[1:]:
         if set(state.states.get(id_of[p], {})) != set(first):
             raise PlanError(f"{printable(path)}: the parts of {quote(name)} hold different state keys "
                             f"({quote(parts[0])} and {quote(p)}); one fused parameter keeps one state")
     return entry
+
+
+def _check_finite(key: str, value, name: str, path: str) -> None:
+    """A per-parameter number (``step``, NAdam's ``mu_product``, ASGD's ``eta`` and ``mu``) is
+    finite, whether the optimizer keeps it as a Python number or as a tensor (its value read:
+    one number). torch resumes from a NaN ``step`` without a word, and Adam's bias correction
+    ``1 - beta ** step`` then turns every update, so every parameter, into NaN: a CheckpointError."""
+    if key not in SCALAR_KEYS:
+        return
+    if isinstance(value, LazyTensor):
+        finite = bool(np.isfinite(np.asarray(value.read(), dtype=np.float64)).all())
+    else:
+        finite = type(value) not in (float, int) or math.isfinite(value)
+    if not finite:
+        shown = value.read().tolist() if isinstance(value, LazyTensor) else value
+        raise CheckpointError(f"{printable(path)}: the optimizer state {quote(key)} of {quote(name)} is {shown!r}, "
+                              "not a finite number; resumed from it, torch's bias correction (1 - beta ** step) "
+                              "would turn every update into NaN, so the file is corrupt. Pass "
+                              f"{option('drop_optimizer')} to write the model without its optimizer state")
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,6 +14,7 @@ from .executor import Evaluation, source_of
 from .io.checkpoint import Companion
 from .io.atomic import atomic_output
 from .io.formats import output_format
+from .io.optimizer_state import RECORD_KEYS
 from .io.output import plan_shards
 from .io.provenance import METADATA_KEY, Provenance
 from .steps import Plan
@@ -40,7 +41,8 @@ def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str
 
     def shard_metadata(entries: Sequence[tuple[str, TensorSpec]]) -> dict[str, str]:
         names = {n for n, _ in entries}
-        meta = {k: v for k, v in passthrough.items()}
+        # fusectl's record of an optimizer it wrote describes that optimizer only: never carried over
+        meta = {k: v for k, v in passthrough.items() if k not in RECORD_KEYS}
         meta.setdefault("format", "pt")
         meta.update({a: kept for a, kept in aliases.items() if kept in names})
         return meta

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -67,7 +69,8 @@ class Result:
 
 
 def run_cli(*args) -> Result:
-    """Run ``fusectl ARGS`` in-process through click's CliRunner (stdout and stderr apart)."""
+    """Run ``fusectl ARGS`` in-process through click's CliRunner (stdout and stderr apart); every
+    option its messages name must be one of the command run (:func:`unknown_options`)."""
     runner = CliRunner()
     result = runner.invoke(main, [str(a) for a in args], catch_exceptions=True)
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -75,7 +78,29 @@ def run_cli(*args) -> Result:
         stderr = result.stderr + f"\n[escaped exception: {type(result.exception).__name__}: {result.exception}]"
     else:
         stderr = result.stderr
+    unknown = unknown_options([str(a) for a in args], stderr)
+    assert not unknown, f"fusectl {' '.join(map(str, args[:1]))} names {unknown}, which it does not have:\n{stderr}"
     return Result(result.exit_code, result.stdout, stderr, result.exception)
+
+
+_OPTION = re.compile(r"(?<![\w/.-])--[a-z][a-z0-9-]*")
+_QUOTED_COMMAND = re.compile(r"`[^`]*`")  # a whole command a message spells out (another command's options)
+
+
+def unknown_options(args: list[str], stderr: str) -> list[str]:
+    """The options (``--name``) that ``stderr`` names but the subcommand ``args`` ran does not have
+    (a message's advice must be followable as it is; a whole command it spells out in backticks
+    is another command's). Empty for a run that names no subcommand."""
+    command = next((main.commands[a] for a in args if a in main.commands), None)
+    if command is None:
+        return []
+    if isinstance(command, click.Group):  # rules list / rules show
+        sub = next((command.commands[a] for a in args if a in command.commands), None)
+        command = sub or command
+    have = {opt for param in [*command.params, *main.params] for opt in (*param.opts, *param.secondary_opts)}
+    have |= {"--help", "--version"}  # click's own, on every command
+    named = _OPTION.findall(_QUOTED_COMMAND.sub("", stderr))
+    return sorted({n for n in named if n not in have})
 
 
 @pytest.fixture

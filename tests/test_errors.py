@@ -111,3 +111,17 @@ def test_printable_and_quote_escape_control_characters():
     assert printable("tab\there") == "tab\\there"
     assert printable("plain.name") == "plain.name"
     assert quote("it's") == "'it\\'s'"
+
+
+def test_the_cli_runner_fails_a_message_naming_an_option_the_command_lacks():
+    # conftest.run_cli asserts this on every CLI test: a message's advice must be followable as it is
+    # (issue 28: unfuse once asked for --param-order, which it did not have)
+    from conftest import unknown_options
+
+    assert unknown_options(["unfuse", "f.pt", "-o", "o.pt"], "error: give --param-order-out FILE") == \
+        ["--param-order-out"]
+    assert unknown_options(["unfuse", "f.pt"], "error: give --param-order FILE, or pass --drop-optimizer") == []
+    assert unknown_options(["--debug", "plan", "x"], "error: ... --untie, try --help") == []
+    # a whole command spelled out is another command's: its options are its own
+    assert unknown_options(["verify", "a", "b"], "make one with `fusectl export a --graph g -o o.onnx`") == []
+    assert unknown_options(["rules", "show", "x"], "error: --force") == ["--force"]

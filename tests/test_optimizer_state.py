@@ -204,8 +204,11 @@ def test_equal_shapes_in_one_group_keep_their_order_but_across_groups_they_could
     one = adam([(4,), (4,)])
     assert map_parameters(parse_optimizer(one, "o", "f"), params((4,), (4,)), "f").names == {0: "p0", 1: "p1"}
     two = adam([(4,), (4,)], groups=[[0], [1]])
-    with pytest.raises(CheckpointError, match=r"id 0 fits '(p0|p1)' and '(p1|p0)' alike.*param_order"):
+    # an order file orders parameters, not groups: the message asks for names instead
+    with pytest.raises(CheckpointError, match=r"id 0 fits '(p0|p1)' and '(p1|p0)' alike.*no order file.*param_names"):
         map_parameters(parse_optimizer(two, "o", "f"), params((4,), (4,)), "f")
+    with pytest.raises(CheckpointError, match=r"no order file"):
+        map_parameters(parse_optimizer(two, "o", "f"), params((4,), (4,)), "f", order=["p0", "p1"])
 
 
 def test_an_id_without_state_is_placed_by_the_others_or_refused():

@@ -9,11 +9,20 @@ legacy (pre-zip) torch format, storages on ``cuda:0`` and the state keyed by Pyt
 a direction axis): each moment must be its weight's re-layout, ``step`` kept, and ``unfuse``
 must give every tensor back bitwise. Skipped where the wheel is not installed (its weights are
 never committed).
+
+SevenNet 0.13.0 (``pip install --no-deps sevenn==0.13.0``) ships its pretrained interatomic
+potential as a training checkpoint: an e3nn model (121 tensors, 34 of them parameters, the rest
+``output_mask`` and Wigner-3j buffers shaped like some parameters), Adam's state in one group,
+and a pickled config that calls ``torch.device`` (refused without torch: it is re-saved here with
+torch, its state dicts only). Its order must be given once (issue 28): fused with
+``--param-order``, the output records the parameter of each id, so ``unfuse`` needs no order and
+gives back what ``torch.load`` reads as the original, every tensor bitwise and every dict in order.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +86,52 @@ def test_resemblyzers_adam_moments_follow_the_lstm_to_onnx_layout_and_unfuse_bit
         assert back_model[name].dtype == array.dtype and np.array_equal(back_model[name], array), name
         for key, value in moments[name].items():
             assert np.array_equal(np.asarray(back_moments[name][key]), np.asarray(value)), f"{name}::{key}"
+
+
+def _sevennet(tmp_path) -> tuple[Path, Path]:
+    """SevenNet-0's checkpoint as its state dicts re-saved with torch, and its parameter order
+    (the state dict without e3nn's buffers: ``output_mask``, the Wigner-3j ``_w3j_*``, and the
+    convolutions' ``denominator``)."""
+    spec = importlib.util.find_spec("sevenn")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sevenn is not installed (pip install --no-deps sevenn==0.13.0)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "pretrained_potentials" / "SevenNet_0__11Jul2024" / \
+        "checkpoint_sevennet_0.pth"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    torch = pytest.importorskip("torch")
+    checkpoint = torch.load(path, weights_only=False, map_location="cpu")  # the real framework reads its config
+    source = tmp_path / "sevennet.pt"
+    torch.save({k: checkpoint[k] for k in ("model_state_dict", "optimizer_state_dict", "scheduler_state_dict",
+                                           "epoch")}, source)
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps([n for n in checkpoint["model_state_dict"]
+                                 if not any(b in n for b in ("output_mask", "_w3j_", "denominator"))]))
+    return source, order
+
+
+def test_sevennets_training_checkpoint_fused_with_an_order_unfuses_without_it_bitwise(tmp_path):
+    source, order = _sevennet(tmp_path)
+    torch = pytest.importorskip("torch")
+    rules = tmp_path / "t.toml"
+    rules.write_text('version = 1\n[[rule]]\nop = "transpose"\ninput = "{i}_convolution.weight_nn.layer1.weight"\n'
+                     'output = "{i}_convolution.weight_nn.layer1.weight_t"\n')
+    fused, back = tmp_path / "fused.pt", tmp_path / "back.pt"
+    ok(run_cli("fuse", source, "-r", rules, "--param-order", order, "-o", fused))
+    ok(run_cli("unfuse", fused, "-o", back))
+
+    def equal(a, b, where="") -> None:
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), where
+        elif isinstance(a, dict):
+            assert list(a) == list(b), where
+            for k in a:
+                equal(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                equal(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, where
+
+    equal(torch.load(source, weights_only=True), torch.load(back, weights_only=True))

@@ -310,6 +310,27 @@ def test_unfuse_gives_the_folder_back_model_and_optimizer_bitwise(tmp_path, orde
     assert [n for n in records if records[n] != ours[n]] == ["optimizer/.data/serialization_id"]
 
 
+def test_a_fused_folder_whose_optimizer_lost_the_record_unfuses_with_param_order(tmp_path, orders):
+    # the Trainer saved optimizer.pt again (training on): fusectl's record is gone (issue 28)
+    fused = _fuse(tmp_path, orders)
+    from fusectl.io.torch_writer import write_torch_file
+    tree, _ = read_torch_tree(str(fused / "optimizer.pt"))
+    write_torch_file(str(tmp_path / "resaved.pt"), tree)
+    os.replace(tmp_path / "resaved.pt", fused / "optimizer.pt")
+    back = tmp_path / "back"
+    result = run_cli("unfuse", fused, "-o", back)
+    assert result.exit_code == 2 and "--param-order FILE" in result.stderr and not back.exists()
+    assert "--param-order-from-model" not in result.stderr  # unfuse has no such option
+    fused_order = tmp_path / "orders" / "fused.json"
+    names = [n.replace("q_proj", "qkv_proj").replace("gate_proj", "gate_up_proj") for n in llama_order()
+             if not any(p in n for p in ("k_proj", "v_proj", "up_proj")) or "gate_up" in n]
+    fused_order.write_text(json.dumps(names))
+    ok(run_cli("unfuse", fused, "--param-order", fused_order, "-o", back))
+    # each part where its fused parameter was: the Llama's order again
+    assert _differences(read_torch_tree(str(CHECKPOINT / "optimizer.pt"))[0],
+                        read_torch_tree(str(back / "optimizer.pt"))[0]) == []
+
+
 # ------------------------------------------------------------------------------ torch + transformers
 
 

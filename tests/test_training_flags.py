@@ -30,6 +30,7 @@ import fusectl
 from conftest import FIXTURES, ok, refused, run_cli, snapshot, write_rules
 from fusectl import dtypes
 from fusectl.errors import TieError
+from fusectl.io.optimizer_state import RECORD_KEYS
 from fusectl.io.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 from test_ties import TRANSPOSE_EMBED
@@ -40,6 +41,17 @@ TORCH = FIXTURES / "torch"
 RULES = ["-r", "llama-qkv", "-r", "llama-gate-up"]
 CONFIG = ["--config", TRAINING / "config.json"]  # for a file written here, away from the fixtures' config.json
 F32 = dtypes.BY_NAME["F32"]
+
+
+def concat_rule(inputs: list[str], output: str) -> str:
+    """A rules file of one concat of ``inputs`` into ``output`` (axis 0)."""
+    return f'version = 1\n[[rule]]\nop = "concat"\ninputs = {json.dumps(inputs)}\noutput = "{output}"\n'
+
+
+# fixtures/torch/training.pt's bidirectional RNN biases concatenated: parameters of an optimizer
+# whose order the shapes do not prove (its BatchNorm buffers are shaped like biases)
+RNN_BIAS = concat_rule(["rnn.bias_ih_l0", "rnn.bias_hh_l0"], "rnn.bias_l0")
+DROP_COUNTERS = 'version = 1\n[[rule]]\nop = "drop"\ninput = "{m*}.num_batches_tracked"\n'
 
 
 def tensor(array) -> ArrayTensor:
@@ -81,6 +93,13 @@ def rewrite(src, dst, edit) -> None:
     tree = fusectl.open_checkpoint(str(src)).training.tree()
     edit(tree)
     write_torch_file(str(dst), tree, metadata=metadata_record(src))
+
+
+def without_order_record(src, dst) -> None:
+    """``dst``: ``src`` as fusectl wrote training dicts before it recorded the parameter of each
+    optimizer id (issue 28): the same tree and provenance, no ``fusectl.param_names``."""
+    record = {k: v for k, v in metadata_record(src).items() if k not in RECORD_KEYS}
+    write_torch_file(str(dst), fusectl.open_checkpoint(str(src)).training.tree(), metadata=record)
 
 
 def _optimizer(path):
@@ -229,8 +248,29 @@ def test_plan_with_drop_optimizer_plans_a_fold_without_state_steps(tmp_path):
 
 
 def test_an_order_the_shapes_cannot_prove_names_drop_optimizer_too(tmp_path):
-    refused(run_cli("convert", TORCH / "training.pt", "-o", tmp_path / "out.pt"), "--param-order FILE",
+    rules = write_rules(tmp_path / "rnn.toml", RNN_BIAS)
+    refused(run_cli("fuse", TORCH / "training.pt", "-r", rules, "-o", tmp_path / "out.pt"), "--param-order FILE",
             "--drop-optimizer", unwritten=[tmp_path / "out.pt"])
+
+
+def test_convert_needs_no_order_as_no_parameter_moves(tmp_path):
+    # issue 28: the shapes of training.pt do not prove its order (BatchNorm buffers shaped like
+    # biases), yet convert moves nothing: its optimizer is written as read, unmapped
+    result = ok(run_cli("convert", TORCH / "training.pt", "-o", tmp_path / "out.pt", "--json"))
+    assert result.json()["optimizer"]["state"] == "copied"
+    original, written = fusectl.open_checkpoint(str(TORCH / "training.pt")), fusectl.open_checkpoint(str(tmp_path / "out.pt"))
+    assert tree_differences(original.training.tree(), written.training.tree()) == []
+
+
+def test_a_rule_that_moves_no_parameter_needs_no_order_either(tmp_path):
+    # dropping the BatchNorm counters (buffers of a shape no state has) moves no optimizer state
+    rules = write_rules(tmp_path / "drop.toml", DROP_COUNTERS)
+    result = ok(run_cli("fuse", TORCH / "training.pt", "-r", rules, "-o", tmp_path / "out.pt", "--json"))
+    assert result.json()["optimizer"]["state"] == "copied"
+    original, written = fusectl.open_checkpoint(str(TORCH / "training.pt")), fusectl.open_checkpoint(str(tmp_path / "out.pt"))
+    assert sorted(written.table.names()) == sorted(n for n in original.table.names() if "num_batches" not in n)
+    key = original.training.optimizer_key
+    assert tree_differences(original.training.tree()[key], written.training.tree()[key]) == []
 
 
 def test_a_whole_tensor_optimizer_is_refused_naming_drop_optimizer_and_goes_through_with_it(tmp_path):
@@ -266,7 +306,7 @@ def test_drop_optimizer_on_a_checkpoint_without_one_is_exit_2(tmp_path):
 def test_convert_of_a_training_dict_to_pytorch_writes_the_whole_dict_bitwise(tmp_path, name):
     out = tmp_path / f"out.{name.rsplit('.', 1)[1]}"
     result = ok(run_cli("convert", TRAINING / name, "-o", out, "--json"))
-    assert result.json()["optimizer"]["state"] == "moved" and "not written" not in result.stderr
+    assert result.json()["optimizer"]["state"] == "copied" and "not written" not in result.stderr
     original, converted = fusectl.open_checkpoint(str(TRAINING / name)), fusectl.open_checkpoint(str(out))
     assert tree_differences(original.training.tree(), converted.training.tree()) == []
 

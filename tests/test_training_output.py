@@ -12,20 +12,30 @@ every tensor bitwise and every dict in its order.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import fusectl
-from conftest import FIXTURES, ok, run_cli, snapshot
-from fusectl.tensors import LazyTensor
+from conftest import FIXTURES, ok, refused, run_cli, snapshot, write_rules
+from fusectl.dtypes import BY_NAME
+from fusectl.io.torch_writer import write_torch_file
+from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 
 TRAINING = FIXTURES / "training"
+TORCH = FIXTURES / "torch"
 RULES = ["-r", "llama-qkv", "-r", "llama-gate-up"]
 PARTS = {"self_attn.qkv_proj.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
          "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}
+
+
+def array(values) -> ArrayTensor:
+    values = np.asarray(values, np.float32)
+    return ArrayTensor(TensorSpec(BY_NAME["F32"], values.shape), values)
 
 
 def phi3_order() -> list[str]:
@@ -91,7 +101,7 @@ def test_each_fused_state_is_the_concat_of_its_parts_states_and_step_is_kept_onc
     out = _fuse(tmp_path, kind)
     before, old, old_map = _optimizer(TRAINING / f"llama-{kind}.pt")
     _, new, new_map = _optimizer(out)
-    assert new_map.source == "state dict order"
+    assert new_map.source == f"fusectl's record in {out.name}"  # the parameter of each id, recorded
     for layer in (0, 1):
         for fused, parts in PARTS.items():
             name = f"model.layers.{layer}.{fused}"
@@ -274,3 +284,73 @@ def test_unfuse_of_a_fused_training_dict_to_safetensors_still_holds_the_model_on
     assert "optimizer state (optimizer_state_dict) is not written" in result.stderr
     restored = fusectl.open_checkpoint(str(tmp_path / "back.safetensors"))
     assert restored.training is None and len(restored.table.names()) == 21
+
+
+# --- an optimizer whose order the shapes do not prove (issue 28) ----------------------------------
+
+
+def _crnn_order(tmp_path) -> Path:
+    """fixtures/torch/training.pt's parameters in order, without its BatchNorm buffers (shaped like
+    its biases, they keep the shapes from proving the order)."""
+    table = fusectl.open_checkpoint(str(TORCH / "training.pt")).table
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps([n for n in table.entries if "running_" not in n and "num_batches" not in n]))
+    return order
+
+
+def test_a_file_fused_with_param_order_unfuses_without_it_bitwise(tmp_path):
+    from test_training_flags import RNN_BIAS
+
+    fused, back = tmp_path / "fused.pt", tmp_path / "back.pt"
+    rules = write_rules(tmp_path / "rnn.toml", RNN_BIAS)
+    ok(run_cli("fuse", TORCH / "training.pt", "-r", rules, "--param-order", _crnn_order(tmp_path), "-o", fused))
+    # the output records the parameter of each optimizer id: read back, it maps without help
+    assert fusectl.open_checkpoint(str(fused)).optimizer_mapped[1].source == "fusectl's record in fused.pt"
+    ok(run_cli("unfuse", fused, "-o", back))
+    original = fusectl.open_checkpoint(str(TORCH / "training.pt"), param_order=str(_crnn_order(tmp_path)))
+    assert _differences(original.training.tree(), fusectl.open_checkpoint(str(back)).training.tree()) == []
+
+
+def test_a_fused_file_without_the_record_unfuses_with_param_order(tmp_path):
+    from test_training_flags import RNN_BIAS, without_order_record
+
+    fused, old, back = tmp_path / "fused.pt", tmp_path / "old.pt", tmp_path / "back.pt"
+    rules = write_rules(tmp_path / "rnn.toml", RNN_BIAS)
+    ok(run_cli("fuse", TORCH / "training.pt", "-r", rules, "--param-order", _crnn_order(tmp_path), "-o", fused))
+    without_order_record(fused, old)  # as fusectl wrote it before it kept the record
+    refused(run_cli("unfuse", old, "-o", back), "--param-order FILE", "--drop-optimizer", unwritten=[back])
+    order = tmp_path / "fused-order.json"
+    table = fusectl.open_checkpoint(str(old)).table
+    order.write_text(json.dumps([n for n in table.entries if "running_" not in n and "num_batches" not in n]))
+    ok(run_cli("unfuse", old, "--param-order", order, "-o", back))
+    original = fusectl.open_checkpoint(str(TORCH / "training.pt"), param_order=str(_crnn_order(tmp_path)))
+    assert _differences(original.training.tree(), fusectl.open_checkpoint(str(back)).training.tree()) == []
+    report = fusectl.unfuse(str(old), str(tmp_path / "api.pt"), param_order=str(order))
+    assert report.optimizer["state"] == "moved"
+
+
+def test_the_optimizer_keeps_its_own_order_where_the_state_dict_has_another(tmp_path):
+    # the optimizer was given b before a; the state dict holds a before b: each output id must stay
+    # the state of the parameter load_state_dict pairs it with (the model's named_parameters())
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, 2)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+    model = collections.OrderedDict([("a.weight", array(a)), ("b.bias", array(b))])
+    state = {0: {"step": 2.0, "exp_avg": array(b + 1), "exp_avg_sq": array(b * b)},
+             1: {"step": 2.0, "exp_avg": array(a + 1), "exp_avg_sq": array(a * a)}}
+    groups = [{"params": [0, 1], "lr": 0.1, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}]
+    src = tmp_path / "train.pt"
+    write_torch_file(str(src), {"model": model, "optimizer": {"state": state, "param_groups": groups}})
+    order = tmp_path / "order.json"
+    order.write_text(json.dumps(["b.bias", "a.weight"]))
+    rules = write_rules(tmp_path / "t.toml", 'version = 1\n[[rule]]\nop = "transpose"\ninput = "a.weight"\n'
+                                              'output = "a.weight_t"\n')
+    out = tmp_path / "out.pt"
+    ok(run_cli("fuse", src, "-r", rules, "--param-order", order, "-o", out))
+    written = fusectl.open_checkpoint(str(out))
+    state, mapping = written.optimizer_mapped
+    assert [mapping.names[p] for p in state.ids()] == ["b.bias", "a.weight_t"]
+    assert list(written.table.entries) == ["a.weight_t", "b.bias"]  # the state dict keeps its own order
+    assert np.array_equal(state.states[1]["exp_avg"].read(), (a + 1).T)
+    ok(run_cli("unfuse", out, "-o", tmp_path / "back.pt"))
+    assert _differences(fusectl.open_checkpoint(str(src)).training.tree(),
+                        fusectl.open_checkpoint(str(tmp_path / "back.pt")).training.tree()) == []

@@ -17,7 +17,7 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, refused, run_cli
-from test_training_flags import CONFIG, RULES, TRAINING, rewrite, tensor
+from test_training_flags import CONFIG, RULES, TRAINING, rewrite, tensor, without_order_record
 
 QKV0 = "model.layers.0.self_attn.qkv_proj.weight"
 QKV1 = "model.layers.1.self_attn.qkv_proj.weight"
@@ -167,12 +167,18 @@ def test_a_reference_whose_order_the_shapes_cannot_prove_needs_param_order(tmp_p
     out = tmp_path / "fused.pt"
     ok(run_cli("fuse", torch_dir / "training.pt", "-r", "lstm-to-onnx", "--param-order", order, "-o", out))
     refused(_verify(torch_dir / "training.pt", out), "cannot check the optimizer state", "--param-order FILE")
-    result = _verify(torch_dir / "training.pt", out, "--param-order", order)
+    # the fused file records the parameter of each id: its order need not be given (issue 28)
+    result = ok(_verify(torch_dir / "training.pt", out, "--param-order", order))
+    assert "PASS state: 36 tensor(s) equal (36 bitwise" in result.stdout
+    # one fused before fusectl kept that record needs the fused model's order too
+    old = tmp_path / "old.pt"
+    without_order_record(out, old)
+    result = _verify(torch_dir / "training.pt", old, "--param-order", order)
     assert result.exit_code == 1 and "the candidate's optimizer state is not mapped" in result.stdout
     assert "--param-order-out FILE" in result.stdout
     fused_order = tmp_path / "fused-order.json"
     table = fusectl.open_checkpoint(str(out)).table
     fused_order.write_text(json.dumps([n for n in table.entries if "running_" not in n and "num_batches" not in n]))
-    result = ok(_verify(torch_dir / "training.pt", out, "--param-order", order, "--param-order-out", fused_order))
+    result = ok(_verify(torch_dir / "training.pt", old, "--param-order", order, "--param-order-out", fused_order))
     assert "PASS optimizer parameters" in result.stdout
     assert "PASS state: 36 tensor(s) equal (36 bitwise" in result.stdout

@@ -35,7 +35,8 @@ class Source:
     """What detecting followers may look at, read once by ``io.checkpoint`` (which followers
     never import): the table, config.json as parsed, ``adapter_config.json`` as (path, text,
     parsed object) or None, the checkpoint's recorded plan, and a training dict's optimizer
-    state with its parameter mapping (``io.optimizer_state``: (OptimizerState, ParamMap)) or None."""
+    state with its parameter mapping (``io.optimizer_state``: (OptimizerState, ParamMap or a
+    function that proves it when first called)) or None."""
 
     table: ParamTable
     config: Mapping | None = None

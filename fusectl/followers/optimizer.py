@@ -23,6 +23,7 @@ does not know. Ops that compute on values (folds) refuse through ``Op.lift``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, NoReturn, Sequence
 
 from ..errors import ComputeError, PlanError, option, quote
@@ -31,8 +32,12 @@ from ..ops.layout import Drop, MergeEqual, Rename, Replicate
 from ..steps import Step
 from ..table import ParamTable
 
-# the separator of a state tensor's name in a table: ``<parameter>::<state key>``
+# the separator of a state tensor's name in a table: ``<parameter>::<state key>``. A table with
+# optimizer state holds it in no other name: a tensor of the model whose name holds it is refused
+# when the training checkpoint is read (``Checkpoint.training_table``), written
+# (``training_output``) or made by a rule (:meth:`OptimizerFollower.lift`), never taken for state
 STATE_SEP = "::"
+
 # state entries that are one number per parameter, not shaped like it
 SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 
@@ -64,6 +69,17 @@ REFUSED: tuple[tuple[str, frozenset, frozenset, str], ...] = (
     ("LAMB/LARS", frozenset(), frozenset({"trust_clip", "trust_coeff", "trust_coefficient", "always_adapt"}),
      "its trust ratio is a norm over a whole tensor"),
 )
+
+
+def refuse_separator(names: Iterable[str], where: str, error: type[Exception] = PlanError,
+                     remedy: str = "give it another name, or write the model alone to a .safetensors file") -> None:
+    """``error`` naming the first of ``names`` (tensors of the model) that holds :data:`STATE_SEP`:
+    in a training checkpoint such a name would read as an optimizer state, and be written as one."""
+    found = next((n for n in names if STATE_SEP in n), None)
+    if found is not None:
+        raise error(f"{where}: the tensor {quote(found)} holds {STATE_SEP!r} in its name, which in a training "
+                    f"checkpoint marks an optimizer state (<parameter>{STATE_SEP}<key>), so fusectl would take it for "
+                    f"one; {remedy}")
 
 
 def recognise(keys: set, hypers: Sequence[dict]) -> tuple[str, str | None]:
@@ -104,25 +120,40 @@ class MergeEqualState(MergeEqual):
 class OptimizerFollower:
     """A training checkpoint's optimizer state as a rider (``_protocols.Rider``).
 
-    Built from the optimizer state and its parameter mapping (``io.optimizer_state``); its
-    tensors are found in the table by name, so a plan on a table without them moves nothing."""
+    Built from the optimizer state and its parameter mapping (``io.optimizer_state``), the
+    mapping given as it is or as a function that proves it when first asked for: a plan whose
+    table holds no state tensors (``--drop-optimizer``, an output of the model alone) lifts
+    nothing and never needs it. Its tensors are found in the table by name, so a plan on a
+    table without them moves nothing."""
 
     kind = "optimizer"
 
     def __init__(self, state, mapping):
-        self.state, self.mapping = state, mapping
+        self.state = state
+        self._mapping = mapping if callable(mapping) else (lambda: mapping)
         self.keys = state.keys()
         self.name, self.why = recognise(set(self.keys), [g.hyper for g in state.groups])
-        self.group_of = {name: state.group_of(pid) for pid, name in mapping.names.items()}
-        self.numbers = {name: {k: v for k, v in state.states.get(pid, {}).items() if not hasattr(v, "spec")}
-                        for pid, name in mapping.names.items()}
+
+    @functools.cached_property
+    def mapping(self):
+        """Which parameter each id is (``io.optimizer_state.ParamMap``), proven on first use."""
+        return self._mapping()
+
+    @functools.cached_property
+    def group_of(self) -> dict:
+        return {name: self.state.group_of(pid) for pid, name in self.mapping.names.items()}
+
+    @functools.cached_property
+    def numbers(self) -> dict:
+        return {name: {k: v for k, v in self.state.states.get(pid, {}).items() if not hasattr(v, "spec")}
+                for pid, name in self.mapping.names.items()}
 
     @classmethod
     def detect(cls, optimizer) -> "OptimizerFollower | None":
         return cls(*optimizer) if optimizer is not None else None
 
     def for_plan(self, rulesets: Sequence = (), origin=None) -> "OptimizerFollower":
-        return OptimizerFollower(self.state, self.mapping)  # its own groups and numbers per plan
+        return OptimizerFollower(self.state, self._mapping)  # its own groups and numbers per plan
 
     def claimed(self, names: Iterable[str]) -> set[str]:
         return {f"{n}{STATE_SEP}{k}" for n in names for k in self.keys}
@@ -158,6 +189,7 @@ class OptimizerFollower:
     def lift(self, step: Step, group: Sequence[Step], table: ParamTable, describe: str) -> list[Step]:
         """The steps the optimizer state of ``step``'s inputs takes (none when they have none in
         ``table``); a PlanError naming the rule, the parameter and the optimizer otherwise."""
+        refuse_separator(step.outputs, describe, remedy="give the rule's output another name")
         if not any(self.claims(n, table) for n in step.inputs):
             return []  # a table of the model alone (its optimizer not written), or untrained parameters
         lift = OptimizerLift(self, step, table, describe)

@@ -12,16 +12,17 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from ..errors import CheckpointError, option, option_name, printable
+from ..errors import CheckpointError, offers, option, option_name, printable
 from ..followers import Followers, Source, detect
+from ..followers.optimizer import refuse_separator
 from ..table import ParamTable
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
 from .formats import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
-from .optimizer_state import STATE_SEP, OptimizerState, ParamMap, Training, Twin, map_parameters, read_order, \
-    state_tensors
+from .optimizer_state import OptimizerState, ParamMap, Training, Twin, map_parameters, \
+    possible_parameters, read_order, recorded_orders, state_tensors
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
-from .trainer_folder import OPTIMIZER_FILES, TrainerOptimizer, is_trainer_file, recorded_orders, trainer_optimizer
+from .trainer_folder import OPTIMIZER_FILES, TrainerOptimizer, is_trainer_file, trainer_optimizer
 from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
 
 
@@ -68,12 +69,14 @@ class Checkpoint:
         """The tensors riding on this checkpoint's weights (``fusectl.followers``: scales, a LoRA
         adapter's factors, an optimizer's state), detected once, when first asked for;
         ``adapter_config.json`` is read and parsed then, and never again for this checkpoint.
-        An optimizer whose state cannot be read or mapped rides on nothing here: asking for
-        :meth:`training_table` says why."""
+        An optimizer whose state cannot be read rides on nothing here: asking for
+        :meth:`training_table` says why. Its mapping to the parameters is proven only when a
+        plan moves its state (a plan of the model alone never needs it)."""
         try:
-            optimizer = self.optimizer_mapped
+            state = self.optimizer
         except CheckpointError:
-            optimizer = None
+            state = None
+        optimizer = (state, lambda: self.optimizer_mapped[1]) if state is not None else None
         return detect(Source(self.table, self.config, adapter_config(self),
                              self.provenance.plan if self.provenance else None, optimizer))
 
@@ -91,34 +94,57 @@ class Checkpoint:
         state = self.optimizer
         if state is None:
             return None
-        names = self.table.unique_names()
-        seen, params = set(), []
-        for name in self.table.entries:  # the state dict's order; a tied group once, first member
-            tensor = self.table.entries[name]
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                params.append((names[name], tensor.spec))
+        names, params = self._parameters()
         by_id = self._recorded_names()
         if by_id is not None and self.param_order is None and not self.param_order_from_model:
             if len(by_id) != len(state.ids()):
-                raise CheckpointError(f"{printable(self.training.file)}: fusectl's record names {len(by_id)} "
+                raise CheckpointError(f"{printable(self._record_file())}: fusectl's record names {len(by_id)} "
                                       f"parameters, the optimizer holds {len(state.ids())}; the file was replaced. "
                                       f"Give the order with {option('param_order')}")
             at = {p: i for i, p in enumerate(state.ids())}
             named = replace(state, groups=tuple(replace(g, param_names=tuple(by_id[at[p]] for p in g.params))
                                                 for g in state.groups))
             mapping = map_parameters(named, params, self.path, aliases=names)
-            return state, replace(mapping, source=f"fusectl's record in {self.training.optimizer_key}")
+            return state, replace(mapping, source=f"fusectl's record in {os.path.basename(self._record_file())}")
         order, source = self.given_order
         try:
             return state, map_parameters(state, params, self.path, order, source, aliases=names)
         except CheckpointError as e:
-            if order is None and isinstance(self.training, TrainerOptimizer):
-                raise CheckpointError(f"{e} (a Trainer folder's weights do not keep the order where they are "
-                                      f"safetensors; with torch and transformers installed, "
-                                      f"{option('param_order_from_model')} "
-                                      "takes it from the model's code)") from None
+            if order is None and isinstance(self.training, TrainerOptimizer) and offers("param_order_from_model"):
+                raise type(e)(f"{e} (a Trainer folder's weights do not keep the order where they are "
+                              f"safetensors; with torch and transformers installed, "
+                              f"{option('param_order_from_model')} "
+                              "takes it from the model's code)") from None
             raise
+
+    def _parameters(self) -> tuple[dict[str, str], list]:
+        """(every name → its unique name, the unique parameters as (name, spec) in the state
+        dict's order, a tied group once under its first member)."""
+        names = self.table.unique_names()
+        seen, params = set(), []
+        for name in self.table.entries:
+            tensor = self.table.entries[name]
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                params.append((names[name], tensor.spec))
+        return names, params
+
+    def possible_parameters(self) -> set[str]:
+        """The unique names the optimizer could hold state for, without proving which is which
+        (``optimizer_state.possible_parameters``; every parameter where that cannot be told): a
+        plan that touches none of them moves no state. Empty without an optimizer."""
+        state = self.optimizer
+        if state is None:
+            return set()
+        names, params = self._parameters()
+        by_id = self._recorded_names()
+        if by_id is not None and self.param_order is None and not self.param_order_from_model:
+            return {names.get(n, n) for n in by_id}
+        order, _ = self.given_order
+        if order is not None:
+            specs = dict(params)
+            params = [(n, specs[n]) for n in order if n in specs]
+        return possible_parameters(state, params, self.path, aliases=names)
 
     @functools.cached_property
     def given_order(self) -> tuple[list[str] | None, str | None]:
@@ -137,12 +163,26 @@ class Checkpoint:
             return order_from_model(self.config, where), f"{where} (the model's code)"
         return None, None
 
+    def _record_file(self) -> str:
+        """The file holding fusectl's record of the optimizer: a Trainer folder's optimizer
+        file, else the training dict itself."""
+        return self.training.file if isinstance(self.training, TrainerOptimizer) else self.path
+
     def _recorded_names(self) -> list[str] | None:
-        """The parameter of each optimizer id, from fusectl's record in a Trainer folder's
-        optimizer file it wrote (None: not recorded)."""
+        """The parameter of each optimizer id, from fusectl's record in the file it wrote (a
+        Trainer folder's optimizer file, a training dict's metadata; None: not recorded)."""
+        if self.training is None:
+            return None
+        record = self.training.record if isinstance(self.training, TrainerOptimizer) else self.metadata
+        return recorded_orders(record, self._record_file())[0]
+
+    def recorded_original_order(self) -> list[str] | None:
+        """The parameter order before fusectl's first step as fusectl recorded it in a Trainer
+        folder's optimizer file; None where it is not recorded (another checkpoint, or an
+        optimizer file saved again by the Trainer)."""
         if not isinstance(self.training, TrainerOptimizer):
             return None
-        return recorded_orders(self.training)[0]
+        return recorded_orders(self.training.record, self.training.file)[1]
 
     def original_order(self) -> list[str] | None:
         """The parameter order before fusectl's first step, for a Trainer folder: recorded by
@@ -150,7 +190,7 @@ class Checkpoint:
         its ids' order where neither is known). None for other checkpoints."""
         if not isinstance(self.training, TrainerOptimizer):
             return None
-        recorded = recorded_orders(self.training)[1]
+        recorded = self.recorded_original_order()
         if recorded is not None:
             return recorded
         order, _ = self.given_order
@@ -181,11 +221,8 @@ class Checkpoint:
         for members in table.groups().values():
             for m in members:
                 aliases[m] = members
+        refuse_separator(table.entries, printable(self.path), CheckpointError)
         entries = state_tensors(state, mapping, {table.unique_name(n): aliases[n] for n in mapping.names.values()})
-        clash = next((n for n in entries if n in table), None)
-        if clash is not None:
-            raise CheckpointError(f"{printable(self.path)}: the state dict holds a tensor {clash!r}, the name "
-                                  f"fusectl gives an optimizer state ('{STATE_SEP}' separates them); rename it")
         table.add(entries)
         table.stored |= set(entries)
         return table

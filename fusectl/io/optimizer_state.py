@@ -27,16 +27,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..errors import CheckpointError, printable, quote
+from ..errors import CheckpointError, option, printable, quote
 from ..followers.optimizer import SCALAR_KEYS, STATE_SEP, recognise
 from ..tensors import LazyTensor, TensorSpec
+from .placement import SearchTooLarge, place, possible_positions
 
 # where an optimizer's state_dict sits beside the model's, in a training dict
 OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optimizer_state", "opt", "optim")
 LIGHTNING_KEY = "optimizer_states"
 FLAT_PREFIXES = ("state.", "param_groups.")  # the keys of a flattened optimizer state_dict
 _MAX_NESTING = 8  # dotted parts a flattened state key may add after its parameter's name
-_MAX_SEARCH = 5_000_000  # states of the order search (ids × positions) before asking for the order
+# what gives the order, in the same words for every caller: inspect --json shows a message as data
+ORDER_HOW = ("give the order of the parameters the optimizer was given: a JSON list "
+             "[n for n, _ in model.named_parameters()] in a file (--param-order FILE; param_order= in the API)")
 
 
 @dataclass(frozen=True)
@@ -322,87 +325,65 @@ def _check_shapes(entry: Mapping, name: str, shape: tuple, elementwise: bool, at
 
 
 def _placement(state: OptimizerState, params: list[tuple[str, TensorSpec]], at: str, given: bool) -> dict:
-    """Each id → the parameter it must be (see :func:`map_parameters`): a search over the
-    parameters in order, whose states are how many ids of each group are placed (at most two
-    ways counted to each)."""
+    """Each id → the parameter it must be (see :func:`map_parameters`; the search is
+    ``io.placement``'s, bounded by the ``order-search`` budget)."""
     groups = [list(g.params) for g in state.groups]
     shapes = {p: _shape_of(state.states.get(p, {})) for g in groups for p in g}
     total = sum(map(len, groups))
-    slack = len(params) - total
-    # the same words for every caller: inspect --json shows this message as data
-    how = ("give the order of the parameters the optimizer was given: a JSON list "
-           "[n for n, _ in model.named_parameters()] in a file (--param-order FILE; param_order= in the API)")
-    if slack < 0:
+    if len(params) < total:
         raise CheckpointError(f"{at}: the optimizer lists {total} parameters, the state dict holds only "
                               f"{len(params)} tensors; load the checkpoint whose optimizer this is")
-    start = tuple(0 for _ in groups)
-    layers: list[dict] = [{start: 1}]
-    budget = _MAX_SEARCH
-    for k, (name, spec) in enumerate(params):
-        here: dict = {}
-        for placed, ways in layers[-1].items():
-            if k - sum(placed) < slack:  # a buffer, or a parameter the optimizer was not given
-                here[placed] = min(2, here.get(placed, 0) + ways)
-            for g, j in enumerate(placed):
-                if j < len(groups[g]) and shapes[groups[g][j]] in (None, spec.shape):
-                    nxt = placed[:g] + (j + 1,) + placed[g + 1:]
-                    here[nxt] = min(2, here.get(nxt, 0) + ways)
-        budget -= len(here)
-        if budget < 0:
-            raise CheckpointError(f"{at}: too many ways to place {total} optimizer states among {len(params)} "
-                                  f"tensors to prove their order from shapes; {how}")
-        layers.append(here)
-    end = tuple(map(len, groups))
-    ways = layers[-1].get(end, 0)
+    try:
+        found = place(groups, shapes, params, at)
+    except SearchTooLarge as e:
+        raise SearchTooLarge(f"{e}, or {ORDER_HOW}") from None
     where = "the order given" if given else "the state dict's order"
-    if ways == 0:
+    if found.names is None:
         raise CheckpointError(f"{at}: the optimizer's parameters do not fit {where}: no placement of its "
-                              f"{total} states gives each the shape of its parameter; {how}")
-    found = _placements(layers, params, groups, shapes, end, slack)
-    first = next(found)
-    if ways > 1:
-        second = next(found)
+                              f"{total} states gives each the shape of its parameter; {ORDER_HOW}")
+    if found.second is not None:
+        first, second = found.names, found.second
         pid = next(p for p in first if first[p] != second[p])
         raise CheckpointError(f"{at}: the shapes do not prove which parameter is which: the state of id "
                               f"{_shown(pid)} fits {quote(first[pid])} and {quote(second[pid])} alike (equal "
-                              f"shapes), and an order assumption could swap them; {how}, or save the "
-                              "optimizer with param_names")
-    return first
+                              f"shapes), and an order assumption could swap them; {_how_to_settle(first, second)}")
+    return found.names
 
 
-def _placements(layers, params, groups, shapes, end, slack):
-    """The placements reaching ``end``, walked back from it (every state of ``layers`` is
-    reachable from the start, so no walk is a dead end); the caller takes one or two."""
-    def steps_back(k: int, placed: tuple) -> list:
-        prev_layer, shape = layers[k - 1], params[k - 1][1].shape
-        out = []
-        if placed in prev_layer and k - 1 - sum(placed) < slack:
-            out.append((placed, None))
-        for g, j in enumerate(placed):
-            if j > 0 and shapes[groups[g][j - 1]] in (None, shape):
-                prev = placed[:g] + (j - 1,) + placed[g + 1:]
-                if prev in prev_layer:
-                    out.append((prev, groups[g][j - 1]))
-        return out
+def _how_to_settle(first: dict, second: dict) -> str:
+    """What settles two placements: an order file where they place different tensors (a buffer
+    taken for a parameter), names where they place the same tensors in other param groups — an
+    order file orders parameters, not groups, so it cannot tell those apart."""
+    if set(first.values()) != set(second.values()):
+        return f"{ORDER_HOW}, or save the optimizer with param_names"
+    return ("two param groups could exchange them, which no order file tells apart (it orders parameters, not "
+            "groups): save the optimizer with param_names (torch.optim given model.named_parameters()), or write "
+            "the model without its optimizer state")
 
-    stack = [(len(params), end, steps_back(len(params), end))]
-    chosen: list = []
-    while stack:
-        k, placed, options = stack[-1]
-        if k == 0:
-            yield {pid: name for pid, name in chosen if pid is not None}
-            stack.pop()
-            if chosen:
-                chosen.pop()
-            continue
-        if not options:
-            stack.pop()
-            if chosen:
-                chosen.pop()
-            continue
-        prev, pid = options.pop(0)
-        chosen.append((pid, params[k - 1][0]))
-        stack.append((k - 1, prev, steps_back(k - 1, prev) if k - 1 else []))
+
+def possible_parameters(state: OptimizerState, params: Sequence[tuple[str, TensorSpec]], path: str,
+                        aliases: Mapping[str, str] | None = None) -> set[str]:
+    """The parameters (names of ``params``) that any of ``state``'s ids could be, without
+    proving which: the named ones where the optimizer names them, else every tensor some
+    placement could give an id (``io.placement.possible_positions``; all of them where no
+    placement fits, so that nothing is taken for a buffer on an unproven guess). A plan that
+    touches none of them moves no state."""
+    tied = aliases or {}
+    if all(g.param_names is not None for g in state.groups):
+        return {tied.get(n, n) for g in state.groups for n in g.param_names}
+    if all(type(p) is str for p in state.ids()):
+        return {tied.get(p, p) for p in state.ids()}
+    groups = [list(g.params) for g in state.groups]
+    shapes = {p: _shape_of(state.states.get(p, {})) for g in groups for p in g}
+    params = list(params)
+    at = f"{printable(path)}: optimizer state {quote(state.where)}"
+    try:
+        positions = possible_positions(groups, shapes, params, at)
+    except SearchTooLarge as e:
+        raise SearchTooLarge(f"{e}, or {ORDER_HOW}") from None
+    if positions is None:
+        return {n for n, _ in params}
+    return {params[k][0] for k in positions}
 
 
 def state_tensors(state: OptimizerState, mapping: ParamMap, aliases: Mapping[str, Sequence[str]]
@@ -417,6 +398,44 @@ def state_tensors(state: OptimizerState, mapping: ParamMap, aliases: Mapping[str
                 for alias in aliases.get(name, [name]):
                     out[f"{alias}{STATE_SEP}{key}"] = value
     return out
+
+
+# keys of fusectl's record in a PyTorch file it wrote with an optimizer (a training dict's
+# metadata record, a Trainer folder's optimizer file): strings, JSON lists of names
+NAMES_KEY = "fusectl.param_names"  # the parameter of each optimizer id, in id order
+ORIGINAL_KEY = "fusectl.original_param_order"  # the parameters in the order before any fusectl step
+RECORD_KEYS = (NAMES_KEY, ORIGINAL_KEY)
+
+
+def order_record(names: Sequence[str], original: Sequence[str] | None = None) -> dict[str, str]:
+    """fusectl's record for an optimizer it writes: ``names`` the parameter of each id (in id
+    order), ``original`` (when known) the parameter order before any fusectl step."""
+    record = {NAMES_KEY: json.dumps(list(names))}
+    if original is not None:
+        record[ORIGINAL_KEY] = json.dumps(list(original))
+    return record
+
+
+def recorded_orders(record: Mapping[str, str], file: str) -> tuple[list[str] | None, list[str] | None]:
+    """(the parameter of each id, the original parameter order) from fusectl's ``record`` in
+    ``file``; None for each that is not recorded.
+
+    :raises CheckpointError: a record that is not a JSON list of distinct names."""
+    found = []
+    for key in RECORD_KEYS:
+        text = record.get(key)
+        if text is None:
+            found.append(None)
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(type(n) is str for n in value) or len(set(value)) != len(value):
+            raise CheckpointError(f"{printable(file)}: fusectl's record {key!r} is not a list of distinct "
+                                  f"names; the file was edited. Give the order with {option('param_order')}")
+        found.append(value)
+    return found[0], found[1]
 
 
 def read_order(path: str) -> list[str]:

@@ -14,7 +14,7 @@ The optimizer file is read as the optimizer state (:class:`TrainerOptimizer`) th
 allow-list reader as every PyTorch file (``torch_file.read_torch_tree``). A folder fusectl
 wrote keeps, in that file's fusectl record (which torch.load ignores), the parameter behind each
 of its ids and the order of the parameters before fusectl's first step
-(:func:`order_record`), so the folder's optimizer is mapped, and unfused into the original
+(``optimizer_state.order_record``), so the folder's optimizer is mapped, and unfused into the original
 order, without being told the order again.
 
 >>> is_trainer_file("rng_state_3.pth"), is_trainer_file("model.safetensors")
@@ -23,21 +23,17 @@ order, without being told the order again.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Callable
 
-from ..errors import CheckpointError, option, printable
+from ..errors import CheckpointError, printable
 from .optimizer_state import Training, parse_optimizer
 
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # the first present is the optimizer read
 TRAINER_STATE = "trainer_state.json"  # the Trainer's step, epoch, logs: JSON, a companion
 TRAINER_FILES = frozenset({*OPTIMIZER_FILES, "scheduler.pt", "scaler.pt", "training_args.bin"})
 _RNG_STATE = re.compile(r"rng_state(_[0-9]+)?\.pth")
-# keys of fusectl's record in an optimizer file it wrote (strings: JSON lists of names)
-NAMES_KEY = "fusectl.param_names"  # the parameter of each id, in id order
-ORIGINAL_KEY = "fusectl.original_param_order"  # the parameters in the order before any fusectl step
 
 
 def is_trainer_file(name: str) -> bool:
@@ -95,31 +91,3 @@ def trainer_optimizer(folder: str, check_link: Callable[[str], None] | None = No
                                       "the file torch.save(optimizer.state_dict(), ...) writes")
             return TrainerOptimizer(folder, path)
     return None
-
-
-def recorded_orders(training: TrainerOptimizer) -> tuple[list[str] | None, list[str] | None]:
-    """(the parameter of each id, the original parameter order) from fusectl's record in the
-    optimizer file; None for each that is not recorded. CheckpointError for a record that is not
-    a JSON list of distinct names."""
-    record = training.record
-    found = []
-    for key in (NAMES_KEY, ORIGINAL_KEY):
-        text = record.get(key)
-        if text is None:
-            found.append(None)
-            continue
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if not isinstance(value, list) or not all(type(n) is str for n in value) or len(set(value)) != len(value):
-            raise CheckpointError(f"{printable(training.file)}: fusectl's record {key!r} is not a list of distinct "
-                                  f"names; the file was edited. Give the order with {option('param_order')}")
-        found.append(value)
-    return found[0], found[1]
-
-
-def order_record(names: list[str], original: list[str]) -> dict[str, str]:
-    """fusectl's record for an optimizer file it writes: ``names`` the parameter of each id (in id
-    order), ``original`` the parameter order before any fusectl step."""
-    return {NAMES_KEY: json.dumps(names), ORIGINAL_KEY: json.dumps(original)}
