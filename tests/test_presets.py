@@ -283,3 +283,20 @@ def test_conv_bn_fold_handles_torchvision_and_sequential_names_in_one_model(cli,
 def test_preset_that_does_not_exist(cli, area, copy_fixture):
     src = copy_fixture(LLAMA)
     refuse_case(cli, area, src, "-r", "llama-qkv-typo", needles=["llama-qkv-typo"])
+
+
+@pytest.mark.parametrize("typo,meant", [("llama-qvk", "'llama-qkv'"), ("conv-bn", "'conv-bn-fold'"),
+                                        ("weight_norm_fold", "'weight-norm-fold'")])
+def test_a_typoed_preset_suggests_the_closest_names_not_all_of_them(cli, area, copy_fixture, typo, meant):
+    src = copy_fixture(LLAMA)
+    result = refuse_case(cli, area, src, "-r", typo, needles=[f"{typo!r} is neither a rules file nor a preset",
+                                                              f"did you mean {meant}"])
+    quoted = result.stderr.count("'")
+    assert quoted <= 2 * 4, result.stderr  # the typo and at most three names, not all the presets
+    assert f"all {len(preset_names())} presets" in result.stderr and "fusectl rules list" in result.stderr
+
+
+def test_a_name_like_no_preset_points_at_the_list(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    result = refuse_case(cli, area, src, "-r", "qwerty", needles=["no preset has a similar name", "fusectl rules list"])
+    assert "llama-qkv" not in result.stderr
