@@ -232,8 +232,9 @@ output = "{p*}.layers.{i:int}.attention.wqkv.weight"
 def test_conv_bn_fold_preset_lists_both_namings_and_every_rule_is_optional(cli):
     doc = tomllib.loads(ok(cli("rules", "show", "conv-bn-fold")).stdout)
     assert "Sequential" in doc["description"] and "torchvision" in doc["description"]
-    assert [r["name"] for r in doc["rule"]] == ["conv-bn", "downsample-bn", "sequential-bn", "bn-counters",
-                                                "downsample-counters", "sequential-counters"]
+    assert [r["name"] for r in doc["rule"]] == ["conv-bn", "conv-bn-attr", "downsample-bn", "sequential-bn",
+                                                "bn-counters", "bn-attr-counters", "downsample-counters",
+                                                "sequential-counters"]
     assert all(r["optional"] is True for r in doc["rule"])  # a model with one naming only still fits
     line = next(x for x in ok(cli("rules", "list")).stdout.splitlines() if x.split()[0] == "conv-bn-fold")
     assert doc["description"] in line

@@ -65,6 +65,29 @@ def test_conv_bn_fold_matches_torch_fusion_and_drops_counters(tmp_path):
     assert_rel_close(folded, load_file(REPARAM / "conv_bn.reference.safetensors"), 1e-5)
 
 
+def _conv1d(x, w, b, padding, dilation=1):
+    """PyTorch's conv1d (stride 1, one group) in float64."""
+    x = np.pad(x, ((0, 0), (0, 0), (padding, padding)))
+    length = x.shape[2] - dilation * (w.shape[2] - 1)
+    out = sum(np.einsum("oi,bit->bot", w[:, :, k], x[:, :, k * dilation:k * dilation + length]) for k in range(w.shape[2]))
+    return out + b[None, :, None]
+
+
+def test_conv_bn_fold_folds_attributes_named_conv_and_bn_as_pytorch_computes(tmp_path):
+    # AttaCut's ConvolutionBatchNorm ({m}.conv + {m}.bn, dilated Conv1d) and a top-level
+    # conv + bn: the folded model gives the eval-mode output PyTorch stored
+    out = fuse(tmp_path, REPARAM / "conv_bn_attr.safetensors", "conv-bn-fold")
+    folded = load_file(out)
+    assert sorted(folded) == sorted(f"{m}.{t}" for m in ("conv", "conv1.conv", "conv2.conv") for t in ("weight", "bias"))
+    assert_rel_close(folded, load_file(REPARAM / "conv_bn_attr.reference.safetensors"), 1e-5)
+    io = load_file(REPARAM / "conv_bn_attr.io.safetensors")
+    f = {n: a.astype(np.float64) for n, a in folded.items()}
+    h = np.maximum(_conv1d(io["x"].astype(np.float64), f["conv.weight"], f["conv.bias"], padding=1), 0)
+    y = np.maximum(_conv1d(h, f["conv1.conv.weight"], f["conv1.conv.bias"], padding=1),
+                   _conv1d(h, f["conv2.conv.weight"], f["conv2.conv.bias"], padding=6, dilation=3))
+    np.testing.assert_allclose(y, io["y"], rtol=1e-5, atol=1e-5)
+
+
 CONVT_RULES = """
 version = 1
 [[rule]]
