@@ -232,3 +232,24 @@ def test_a_config_value_as_deep_as_the_budget_allows_round_trips_through_the_pro
     assert (back / "config.json").read_bytes() == (FIXTURES / "tiny-llama-gqa" / "config.json").read_bytes()
     deeper = write_rules(tmp_path / "deeper.toml", f"version = 1\n[config]\nset = {{ deep = {_nested(30)} }}\n")
     refused(cli("plan", FIXTURES / "tiny-llama-gqa", "-r", deeper), "33 levels of nesting", "limit of 32")
+
+
+@pytest.mark.parametrize("eps", ["-1e-5", "-0.5"])
+def test_a_negative_eps_in_a_rules_file_is_refused_naming_the_rule(cli, tmp_path, eps):
+    path = tmp_path / "in" / "bn.safetensors"
+    path.parent.mkdir()
+    _bn_checkpoint(path, 1.0, 1.0)
+    rules = write_rules(tmp_path / "r.toml", BN_RULES + f"eps = {eps}\n")
+    refused(cli("plan", path, "-r", rules), "rule '#1 bn_fold'", f"eps = {float(eps)!r}", "finite number ≥ 0")
+    refused_to_write(cli, path, rules, tmp_path, f"eps = {float(eps)!r}")
+
+
+def test_an_eps_that_zeroes_the_layer_is_refused_not_written(cli, tmp_path):
+    """eps = 1e300 is finite, but float32 holds it as infinity: every scale is 0 and the folded
+    conv a constant (exit 0 before)."""
+    path = tmp_path / "in" / "bn.safetensors"
+    path.parent.mkdir()
+    _bn_checkpoint(path, 1.0, 1.0)
+    rules = write_rules(tmp_path / "r.toml", BN_RULES + "eps = 1e300\n")
+    refused_to_write(cli, path, rules, tmp_path, "4 output channel(s) (first: 0) become all zeros",
+                     "underflows float32", "eps = 1e+300")
