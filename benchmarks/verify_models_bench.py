@@ -164,16 +164,70 @@ def run_method(method, pair, out_dir, fusectl, timeout):
     if method == "one-session":
         return fuse_bench.measure([sys.executable, "-c", ONE_SESSION, a], timeout)
     if method == "verify":
-        log_file = os.path.join(out_dir, "verify-models.log")
-        cmd = ["sh", "-c", 'log=$1; shift; exec "$@" > "$log"', "sh", log_file,
-               fusectl, "verify", a, b, "--report", os.path.join(out_dir, "verify-models.json")]
-        try:
-            return fuse_bench.measure(cmd, timeout)
-        except BenchError as e:
-            with open(log_file, errors="replace") as f:
-                report = f.read()[-4000:]
-            raise BenchError(f"fusectl verify {a} {b} did not pass\n{e}\nits report ({log_file}):\n{report}") from e
+        return measure_verify(fusectl, [a, b, "--report", os.path.join(out_dir, "verify-models.json")],
+                              os.path.join(out_dir, "verify-models.log"), timeout)
     raise ValueError(method)
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prepare(args):
+    """(fusectl, workdir, out_dir, its version) for ``args`` (``--fusectl``, ``--workdir``);
+    WORKDIR/out is made."""
+    fusectl = args.fusectl or fuse_bench.find_fusectl()
+    workdir = os.path.abspath(args.workdir)
+    out_dir = os.path.join(workdir, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    version = subprocess.run([fusectl, "--version"], capture_output=True, text=True).stdout.strip()
+    return fusectl, workdir, out_dir, version
+
+
+def measure_verify(fusectl, arguments, log_file, timeout):
+    """One run of ``fusectl verify ARGUMENTS``, its text report written to ``log_file``: (wall s,
+    peak RSS KiB, user s, sys s); BenchError with the report's end when it does not pass."""
+    cmd = ["sh", "-c", 'log=$1; shift; exec "$@" > "$log"', "sh", log_file, fusectl, "verify", *arguments]
+    try:
+        return fuse_bench.measure(cmd, timeout)
+    except BenchError as e:
+        with open(log_file, errors="replace") as f:
+            report = f.read()[-4000:]
+        raise BenchError(f"fusectl verify {' '.join(arguments)} did not pass\n{e}\nits report ({log_file}):\n"
+                         f"{report}") from e
+
+
+def measure_rounds(methods, repeat, warmup, run, log, width=12):
+    """``run(method)`` for each method, ``warmup`` untimed rounds then ``repeat`` measured ones,
+    the order of the methods rotating each round: the measured runs, as dicts, and the medians
+    ``{method: (wall s, peak RSS MB)}``."""
+    runs = []
+    for rep in range(-warmup, repeat):
+        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+        name = f"rep {rep + 1}/{repeat}" if rep >= 0 else "warm-up"
+        for method in order:
+            wall, rss, utime, stime = run(method)
+            log(f"{name:<9} {method:<{width}} {wall:7.2f} s  {rss * 1024 / MB:7.0f} MB")
+            if rep >= 0:
+                runs.append(dict(method=method, rep=rep, order=order.index(method), wall_s=wall,
+                                 peak_rss_kb=rss, user_s=utime, sys_s=stime))
+    med = {m: (statistics.median(r["wall_s"] for r in runs if r["method"] == m),
+               statistics.median(r["peak_rss_kb"] for r in runs if r["method"] == m) * 1024 / MB)
+           for m in methods}
+    return runs, med
+
+
+def print_runs(runs, methods, med, width=12):
+    """The table of each method's median and extreme wall times and peak RSS."""
+    columns = f"{'method':<{width}} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12} {'(min..max)':>15}"
+    print(columns)
+    print("-" * len(columns))
+    for method in methods:
+        rs = [r for r in runs if r["method"] == method]
+        walls = [r["wall_s"] for r in rs]
+        rss = [r["peak_rss_kb"] * 1024 / MB for r in rs]
+        print(f"{method:<{width}} {med[method][0]:>9.2f} {min(walls):>7.2f} {max(walls):>7.2f} {med[method][1]:>12.0f} "
+              f"{f'({min(rss):.0f}..{max(rss):.0f})':>15}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,51 +252,28 @@ def main(argv=None):
         parser.error("--repeat must be at least 1, --layers at least 2, --hidden at least 1")
 
     started = time.perf_counter()
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    fusectl = args.fusectl or fuse_bench.find_fusectl()
-    workdir = os.path.abspath(args.workdir)
-    out_dir = os.path.join(workdir, "out")
-    os.makedirs(out_dir, exist_ok=True)
-    version = subprocess.run([fusectl, "--version"], capture_output=True, text=True).stdout.strip()
+    fusectl, workdir, out_dir, version = prepare(args)
     pair = ensure_pair(workdir, args.hidden, args.layers, args.seed, log)
     fuse_bench.warm([os.path.join(pair, name) for name in ("A.onnx.data", "B.onnx.data")])
     floor_kb = min(fuse_bench.measure(["true"], 60)[1] for _ in range(3))
     log(f"fusectl: {fusectl} ({version}); wrapper RSS floor {floor_kb} KiB")
 
-    runs, shared, checked = [], None, False
-    for rep in range(-args.warmup, args.repeat):
-        order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
-        name = f"rep {rep + 1}/{args.repeat}" if rep >= 0 else "warm-up"
-        for method in order:
-            wall, rss, utime, stime = run_method(method, pair, out_dir, fusectl, args.timeout)
-            log(f"{name:<9} {method:<12} {wall:7.2f} s  {rss * 1024 / MB:7.0f} MB")
-            if method == "verify" and not checked:
-                shared = check_report(os.path.join(out_dir, "verify-models.json"), args.hidden, args.layers)
-                checked = True
-            if rep >= 0:
-                runs.append(dict(method=method, rep=rep, order=order.index(method), wall_s=wall,
-                                 peak_rss_kb=rss, user_s=utime, sys_s=stime))
+    reports = []  # the shared initializers the first verify run's report names
 
-    med = {m: (statistics.median(r["wall_s"] for r in runs if r["method"] == m),
-               statistics.median(r["peak_rss_kb"] for r in runs if r["method"] == m) * 1024 / MB)
-           for m in METHODS}
+    def run(method):
+        measured = run_method(method, pair, out_dir, fusectl, args.timeout)
+        if method == "verify" and not reports:
+            reports.append(check_report(os.path.join(out_dir, "verify-models.json"), args.hidden, args.layers))
+        return measured
+
+    runs, med = measure_rounds(METHODS, args.repeat, args.warmup, run, log)
+    shared = reports[0]
     size = args.layers * args.hidden * args.hidden * 4
     print()
     print(f"fusectl verify A.onnx B.onnx vs one onnxruntime session of A: 2 graphs of {size / 1e6:.0f} MB "
           f"({args.layers} float32 [{args.hidden}, {args.hidden}] weights in external data, all but one "
           f"shared by name and bytes); {args.repeat} runs each, alternating order, warm page cache")
-    columns = f"{'method':<12} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS MB':>12} {'(min..max)':>15}"
-    print(columns)
-    print("-" * len(columns))
-    for method in METHODS:
-        rs = [r for r in runs if r["method"] == method]
-        walls = [r["wall_s"] for r in rs]
-        rss = [r["peak_rss_kb"] * 1024 / MB for r in rs]
-        print(f"{method:<12} {med[method][0]:>9.2f} {min(walls):>7.2f} {max(walls):>7.2f} {med[method][1]:>12.0f} "
-              f"{f'({min(rss):.0f}..{max(rss):.0f})':>15}")
+    print_runs(runs, METHODS, med)
     print(f"(wrapper RSS floor {floor_kb * 1024 / MB:.1f} MB)")
     ratio = med["verify"][1] / med["one-session"][1]
     verdict = "within" if ratio <= RSS_RATIO_GOAL else "OVER"

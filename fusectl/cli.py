@@ -33,8 +33,10 @@ EXIT_BAD_INPUT = 2
 EXIT_BUG = 70  # EX_SOFTWARE
 
 
-class _Terminated(Exception):
-    """SIGTERM, raised so that temporary output is removed like on any other failure."""
+class _Terminated(BaseException):
+    """SIGTERM, raised so that temporary output is removed like on any other failure. Not an
+    Exception (KeyboardInterrupt is not one either): code that turns a third party's errors of
+    any type into a domain error (``except Exception``) must not turn a termination into one."""
 
 
 def _on_sigterm(signum, frame):

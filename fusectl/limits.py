@@ -43,6 +43,9 @@ LIMITS: dict[str, Limit] = {
         Limit("tensors", 1_000_000, "tensors in one checkpoint"),
         Limit("json-depth", 64, "levels of JSON nesting"),
         Limit("json-bytes", 64_000_000, "bytes of a JSON file (config, index)"),
+        # a [config] value nests 3 levels down in a rules file and 6 in the provenance that
+        # records it: 32 keeps the provenance within json-depth, so an output reads back
+        Limit("rules-depth", 32, "levels of nesting in a rules file (tables, dotted keys, arrays)"),
         Limit("name-bytes", 4096, "bytes in one tensor name"),
         Limit("dims", 64, "dimensions of one tensor"),
         Limit("integer-digits", 30, "digits in one integer"),
@@ -78,6 +81,22 @@ def limit(key: str) -> int:
     if value < 1:
         raise FusectlError(f"{spec.variable}={raw!r} must be at least 1")
     return value
+
+
+def nesting_depth(value: object) -> int:
+    """How deeply dicts and lists nest in ``value`` (a parsed document), counted without
+    recursion, so that a file's nesting is known before anything recursive walks it.
+
+    >>> nesting_depth({"a": [1, {"b": {}}], "c": 2}), nesting_depth(7)
+    (4, 0)
+    """
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def check_limit(key: str, value: int, where: str, error: type[FusectlError] = CheckpointError) -> None:

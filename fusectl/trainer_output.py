@@ -52,7 +52,9 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
         order from the model's code cannot be had. Nothing is written then.
     """
     training = checkpoint.training
-    order, source = _output_order(checkpoint, companions, param_order_out, param_order_from_model, restore)
+    model_table = model_only(table)
+    order, source = _output_order(checkpoint, model_table, companions, param_order_out, param_order_from_model,
+                                  restore)
     given, _ = checkpoint.given_order
     state, mapping = checkpoint.optimizer_mapped
     positions = given if given is not None else [mapping.names[p] for p in state.ids() if p in mapping.names]
@@ -71,7 +73,6 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
 
     files = [c for c in companions if c.relative != relative]
     files.append(Companion(training.file, relative, write=write_optimizer))
-    model_table = model_only(table)
     report = write_table(model_table, recorded, out, inputs=checkpoint.input_paths(),
                          passthrough=checkpoint.metadata, companions=files, max_shard_size=max_shard_size, force=force, progress=progress,
                          on_note=on_note)
@@ -80,9 +81,10 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
                        report.written_bytes + state_bytes)
 
 
-def _output_order(checkpoint: Checkpoint, companions: Sequence[Companion], param_order_out, from_model: bool,
-                  restore: bool) -> tuple[list[str] | None, str | None]:
-    """(the output parameter order, what names it in messages), or (None, None) for the default."""
+def _output_order(checkpoint: Checkpoint, model_table: ParamTable, companions: Sequence[Companion], param_order_out,
+                  from_model: bool, restore: bool) -> tuple[list[str] | None, str | None]:
+    """(the output parameter order, what names it in messages), or (None, None) for the default;
+    ``model_table``: the output's parameters (what the output config's model is built within)."""
     if param_order_out is not None:
         return read_order(os.fspath(param_order_out)), os.fspath(param_order_out)
     original = checkpoint.recorded_original_order() if restore else None
@@ -94,7 +96,8 @@ def _output_order(checkpoint: Checkpoint, companions: Sequence[Companion], param
         if config is None:
             raise CheckpointError(f"{printable(checkpoint.path)}: no config.json to build the new model from for "
                                   f"{option('param_order_from_model')}; give {option('param_order_out')}")
-        return order_from_model(config, "the output's config.json"), "the output config.json's model code"
+        held = [t.spec.shape for t in model_table.entries.values()]
+        return order_from_model(config, "the output's config.json", held), "the output config.json's model code"
     return None, None
 
 

@@ -581,7 +581,9 @@ def test_rules_show_unknown_preset(cli):
     assert result.exit_code == 2
     assert result.stderr.startswith("error:")
     assert "no-such-preset" in result.stderr
-    assert "llama-qkv" in result.stderr  # says which presets exist
+    assert "fusectl rules list" in result.stderr  # says where the presets are listed
+    typo = cli("rules", "show", "llama-qvk")
+    assert typo.exit_code == 2 and "did you mean 'llama-qkv'" in typo.stderr
 
 
 def test_rules_file_path_is_used_before_preset_name(cli, copy_fixture, tmp_path):

@@ -70,6 +70,31 @@ def test_sigterm_while_writing_is_exit_143_and_leaves_no_output(cli, copy_fixtur
     assert snapshot(src) == before
 
 
+@pytest.mark.parametrize("stage", ["onnx.load", "onnxruntime"])
+def test_sigterm_inside_a_third_partys_call_is_exit_143_not_its_error(cli, tmp_path, monkeypatch, sigterm_restored,
+                                                                      stage):
+    """fusectl turns errors of any type from onnx or onnxruntime into a domain error (exit 2);
+    a termination that arrives inside such a call is no error of theirs and still ends the run."""
+    if stage == "onnx.load":
+        import onnx
+        real, owner, attr = onnx.load, onnx, "load"
+    else:
+        import onnxruntime
+        real, owner, attr = onnxruntime.InferenceSession, onnxruntime, "InferenceSession"
+
+    def terminated(*args, **kwargs):
+        _terminate()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, terminated)
+    model = FIXTURES / "onnx" / "convbn" / "model.onnx"
+    report = tmp_path / "report.json"
+    result = cli("verify", model, model, "--report", report)
+    assert result.exit_code == 143, result.output
+    assert result.stderr == "error: terminated; no output was written\n"
+    assert not os.path.lexists(report) and leftovers(tmp_path) == []
+
+
 def test_ctrl_c_while_writing_is_exit_130_and_leaves_no_output(cli, copy_fixture, tmp_path, monkeypatch):
     src = copy_fixture(LLAMA)
     out = tmp_path / "fused"

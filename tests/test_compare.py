@@ -160,3 +160,63 @@ def test_to_json_lists_every_field_by_name():
     record = c.to_json()
     assert record["name"] == "y" and record["passed"] is False and record["first_mismatch"] == [0]
     assert set(record) == set(Comparison.__dataclass_fields__)
+
+
+def _errors(ref, cand):
+    """The absolute and relative errors of the elements finite on both sides, as numpy computes them."""
+    ref, cand = ref.astype(np.float64), cand.astype(np.float64)
+    finite = np.isfinite(ref) & np.isfinite(cand)
+    diff = np.abs(ref[finite] - cand[finite])
+    magnitude = np.abs(ref[finite])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(magnitude > 0, diff / np.where(magnitude > 0, magnitude, 1), np.where(diff > 0, np.inf, 0.0))
+    return diff, rel
+
+
+@pytest.mark.parametrize("chunk, keep", [(7, 5), (64, 3), (1000, 40), (1 << 16, 1 << 18)])
+@pytest.mark.parametrize("seed", range(6))
+def test_statistics_over_chunks_are_numpys_over_the_whole_array(monkeypatch, chunk, keep, seed):
+    # tiny chunks and a tiny keep make every path run: many chunks, the p99 narrowed by
+    # histograms over several passes, ties, infinite relative errors, NaN and inf skipped
+    import fusectl.verification.compare as module
+    monkeypatch.setattr(module, "CHUNK", chunk)
+    monkeypatch.setattr(module, "_KEEP", keep)
+    rng = np.random.default_rng(seed)
+    ref = rng.standard_normal(2000).astype(np.float32)
+    cand = ref.copy()
+    cand[rng.choice(2000, 1500, replace=False)] += rng.choice([0.0, 1e-6, 1e-3, 0.5, 0.5, 2.0], 1500).astype(np.float32)
+    ref[:30] = 0.0  # relative error inf where the candidate differs
+    ref[30], cand[31], ref[32], cand[32] = np.nan, np.nan, np.inf, np.inf
+    if seed % 2:
+        ref, cand = ref.reshape(40, 50).T, cand.reshape(40, 50).T  # not contiguous: chunks are copies
+    c = compare("y", ref, cand, atol=1e-4, rtol=1e-4)
+    diff, rel = _errors(ref, cand)
+    assert (c.p99_abs, c.p99_rel) == (np.percentile(diff, 99, method="higher"), np.percentile(rel, 99, method="higher"))
+    assert (c.max_abs, c.max_rel) == (diff.max(), rel.max())
+    assert c.mean_abs == pytest.approx(diff.mean(), rel=1e-12) and c.mean_rel == rel.mean()
+    r, k = ref.astype(np.float64), cand.astype(np.float64)  # SPEC's rule on the whole arrays at once
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(r) & np.isfinite(k)
+        d = np.where(finite, np.abs(r - k), 0)
+        failed = ((finite & (d > 1e-4) & (d > 1e-4 * np.abs(r))) | (np.isnan(r) ^ np.isnan(k))
+                  | (~finite & ~np.isnan(r) & ~np.isnan(k) & (r != k)))
+    assert c.mismatches == int(np.count_nonzero(failed))
+    assert c.first_mismatch == [int(i) for i in np.unravel_index(int(np.argmax(failed)), ref.shape)]
+
+
+@pytest.mark.parametrize("elements", [1 << 21, 1 << 23])  # 8 MB and 32 MB of float32
+def test_comparing_a_large_output_allocates_bounded_memory(elements):
+    # it cost ~19 bytes per output byte (1.28 GB for one float32 [4096, 4096] output); now a
+    # chunk's temporaries and the p99's kept values, the same for every size
+    import tracemalloc
+    rng = np.random.default_rng(0)
+    ref = np.ones(elements, np.float32)
+    cand = ref + rng.uniform(-1e-6, 1e-6, elements).astype(np.float32)
+    tracemalloc.start()
+    try:
+        c = compare("logits", ref, cand)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert c.passed and c.p99_abs == np.percentile(np.abs(ref.astype(np.float64) - cand), 99, method="higher")
+    assert peak < 24 << 20, f"{peak / 2**20:.1f} MiB for a {ref.nbytes / 2**20:.0f} MiB output"

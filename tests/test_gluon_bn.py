@@ -161,6 +161,19 @@ def test_the_explicit_presets_fold_a_save_parameters_file_with_gluons_default_ep
     assert folded_output(out, "conv.weight", "conv.bias", stem) < 1e-4
 
 
+@pytest.mark.parametrize("eps", ["1e999", "-1e-05", "nan", "inf"])
+def test_a_symbol_eps_that_is_not_a_finite_number_at_least_0_is_refused_naming_the_node(cli, conv_bn, tmp_path, eps):
+    # 1e999 read as infinity folded with exit 0 into all-zero weights: the layer made a constant
+    symbol = conv_bn / "bn-scale-symbol.json"
+    symbol.write_text(symbol.read_text().replace('"eps": "2e-05"', f'"eps": "{eps}"'))
+    before = snapshot(conv_bn)
+    out = tmp_path / "folded.npz"
+    refused(cli("fuse", str(conv_bn / "bn-scale-0000.params"), "-r", "gluon-bn-fold", "-o", str(out)),
+            "bn-scale-symbol.json", "'convbn_batchnorm0_fwd' (BatchNorm)", f"eps is '{eps}', not a finite number ≥ 0",
+            unwritten=[out])
+    assert snapshot(conv_bn) == before
+
+
 def test_a_pairing_the_graph_contradicts_is_refused():
     facts = BatchNormFacts("m-0000.params", "m-symbol.json",
                            (NormFacts("bn0_fwd", "bn0_gamma", 1e-5, False, 1, "conv1_fwd", "Convolution", "conv1_weight"),))

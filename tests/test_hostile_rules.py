@@ -7,7 +7,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import leftovers, ok, snapshot, time_limit, write_rules, write_safetensors
+from conftest import FIXTURES, leftovers, ok, snapshot, time_limit, write_rules, write_safetensors
 
 
 @pytest.fixture
@@ -177,7 +177,7 @@ def test_a_fold_over_inputs_that_hold_nan_names_them(cli, tmp_path):
     ('op = "transpose"\ninput = "w"\noutput = "x"\nperm = [1, 99999999999999999999]', "64 bits"),
     ('op = "bn_fold"\nweight = "w"\ngamma = "g"\nbeta = "b"\nmean = "m"\nvar = "v"\noutput_weight = "w"\n'
      'output_bias = "b2"\neps = inf', "expected a finite number"),
-    ("a = " + "[" * 100_000 + "]" * 100_000, "nest too deeply"),
+    ("a = " + "[" * 100_000 + "]" * 100_000, "FUSECTL_MAX_RULES_DEPTH"),
 ])
 def test_malformed_values_in_a_rules_file_are_rule_errors(cli, ckpt, tmp_path, line, needle):
     rules = write_rules(tmp_path / "bad.toml", f"version = 1\n[[rule]]\n{line}\n")
@@ -196,3 +196,60 @@ def test_a_sequential_conv_transpose_before_a_batchnorm_is_not_folded_as_a_conv(
     refused(cli("plan", path, "-r", "conv-bn-fold"), "'dec.0.weight' has 8 output channels as a conv weight",
             'layer = "conv_transpose"')
     refused_to_write(cli, path, "conv-bn-fold", tmp_path, 'layer = "conv_transpose"')
+
+
+DOTTED = ".".join(["a"] * 5000)
+
+
+@pytest.mark.parametrize("text", [
+    f"[config]\nset = {{ {DOTTED} = 1 }}",
+    f"[config.set]\n{DOTTED} = 1",
+    f"[config.set.{DOTTED}]\nb = 1",
+    f"[vars.{DOTTED}]\nb = 1",
+    f'[[rule]]\nop = "drop"\ninput = "w"\n[rule.{DOTTED}]\nb = 1',
+    "[config]\nset = { a = " + "[" * 5000 + "]" * 5000 + " }",
+], ids=["dotted-key", "dotted-key-in-table", "table-header", "vars-header", "rule-subtable", "arrays"])
+def test_a_rules_file_nested_past_the_budget_is_refused_naming_it(cli, ckpt, tmp_path, text):
+    # dotted keys and table headers nest without recursion in the TOML reader; json.dumps of
+    # the [config] value then recursed: exit 70 (RecursionError)
+    rules = write_rules(tmp_path / "deep.toml", f"version = 1\n{text}\n")
+    refused(cli("plan", ckpt, "-r", rules), "deep.toml", "levels of nesting in a rules file", "FUSECTL_MAX_RULES_DEPTH")
+    refused_to_write(cli, ckpt, rules, tmp_path, "deep.toml", "FUSECTL_MAX_RULES_DEPTH")
+
+
+def _nested(depth: int) -> str:
+    """An inline table nested ``depth`` levels: {x = {x = ... {x = 1}}}."""
+    return "{ x = " * depth + "1" + " }" * depth
+
+
+def test_a_config_value_as_deep_as_the_budget_allows_round_trips_through_the_provenance(cli, tmp_path):
+    # the rules file nests 32 levels (document, [config], set, 29 of value); its provenance nests
+    # the value 6 levels down, within the 64 levels fusectl reads JSON to: unfuse reads it back
+    rules = write_rules(tmp_path / "r.toml", f"version = 1\n[config]\nset = {{ deep = {_nested(29)} }}\n")
+    out, back = tmp_path / "fused", tmp_path / "back"
+    ok(cli("fuse", FIXTURES / "tiny-llama-gqa", "-r", rules, "-o", out))
+    ok(cli("unfuse", out, "-o", back))
+    assert (back / "config.json").read_bytes() == (FIXTURES / "tiny-llama-gqa" / "config.json").read_bytes()
+    deeper = write_rules(tmp_path / "deeper.toml", f"version = 1\n[config]\nset = {{ deep = {_nested(30)} }}\n")
+    refused(cli("plan", FIXTURES / "tiny-llama-gqa", "-r", deeper), "33 levels of nesting", "limit of 32")
+
+
+@pytest.mark.parametrize("eps", ["-1e-5", "-0.5"])
+def test_a_negative_eps_in_a_rules_file_is_refused_naming_the_rule(cli, tmp_path, eps):
+    path = tmp_path / "in" / "bn.safetensors"
+    path.parent.mkdir()
+    _bn_checkpoint(path, 1.0, 1.0)
+    rules = write_rules(tmp_path / "r.toml", BN_RULES + f"eps = {eps}\n")
+    refused(cli("plan", path, "-r", rules), "rule '#1 bn_fold'", f"eps = {float(eps)!r}", "finite number ≥ 0")
+    refused_to_write(cli, path, rules, tmp_path, f"eps = {float(eps)!r}")
+
+
+def test_an_eps_that_zeroes_the_layer_is_refused_not_written(cli, tmp_path):
+    """eps = 1e300 is finite, but float32 holds it as infinity: every scale is 0 and the folded
+    conv a constant (exit 0 before)."""
+    path = tmp_path / "in" / "bn.safetensors"
+    path.parent.mkdir()
+    _bn_checkpoint(path, 1.0, 1.0)
+    rules = write_rules(tmp_path / "r.toml", BN_RULES + "eps = 1e300\n")
+    refused_to_write(cli, path, rules, tmp_path, "4 output channel(s) (first: 0) become all zeros",
+                     "underflows float32", "eps = 1e+300")

@@ -84,8 +84,8 @@ def test_a_rules_path_that_cannot_be_read_is_refused_naming_it(tmp_path, make):
     assert str(err.value).startswith(f"{path}: cannot read rules file (")
 
 
-def test_a_name_that_is_neither_a_file_nor_a_preset_lists_the_presets():
+def test_a_name_that_is_neither_a_file_nor_a_preset_suggests_the_closest_presets():
     with pytest.raises(RuleError) as err:
-        load_recorded_rules("no-such-preset", {})
-    assert "'no-such-preset' is neither a rules file nor a preset; presets are " in str(err.value)
-    assert "llama-qkv" in str(err.value)
+        load_recorded_rules("llama-qvk", {})
+    assert "'llama-qvk' is neither a rules file nor a preset; did you mean 'llama-qkv'" in str(err.value)
+    assert "lstm-to-onnx" not in str(err.value)

@@ -232,8 +232,9 @@ output = "{p*}.layers.{i:int}.attention.wqkv.weight"
 def test_conv_bn_fold_preset_lists_both_namings_and_every_rule_is_optional(cli):
     doc = tomllib.loads(ok(cli("rules", "show", "conv-bn-fold")).stdout)
     assert "Sequential" in doc["description"] and "torchvision" in doc["description"]
-    assert [r["name"] for r in doc["rule"]] == ["conv-bn", "downsample-bn", "sequential-bn", "bn-counters",
-                                                "downsample-counters", "sequential-counters"]
+    assert [r["name"] for r in doc["rule"]] == ["conv-bn", "conv-bn-attr", "downsample-bn", "sequential-bn",
+                                                "bn-counters", "bn-attr-counters", "downsample-counters",
+                                                "sequential-counters"]
     assert all(r["optional"] is True for r in doc["rule"])  # a model with one naming only still fits
     line = next(x for x in ok(cli("rules", "list")).stdout.splitlines() if x.split()[0] == "conv-bn-fold")
     assert doc["description"] in line
@@ -283,3 +284,20 @@ def test_conv_bn_fold_handles_torchvision_and_sequential_names_in_one_model(cli,
 def test_preset_that_does_not_exist(cli, area, copy_fixture):
     src = copy_fixture(LLAMA)
     refuse_case(cli, area, src, "-r", "llama-qkv-typo", needles=["llama-qkv-typo"])
+
+
+@pytest.mark.parametrize("typo,meant", [("llama-qvk", "'llama-qkv'"), ("conv-bn", "'conv-bn-fold'"),
+                                        ("weight_norm_fold", "'weight-norm-fold'")])
+def test_a_typoed_preset_suggests_the_closest_names_not_all_of_them(cli, area, copy_fixture, typo, meant):
+    src = copy_fixture(LLAMA)
+    result = refuse_case(cli, area, src, "-r", typo, needles=[f"{typo!r} is neither a rules file nor a preset",
+                                                              f"did you mean {meant}"])
+    quoted = result.stderr.count("'")
+    assert quoted <= 2 * 4, result.stderr  # the typo and at most three names, not all the presets
+    assert f"all {len(preset_names())} presets" in result.stderr and "fusectl rules list" in result.stderr
+
+
+def test_a_name_like_no_preset_points_at_the_list(cli, area, copy_fixture):
+    src = copy_fixture(LLAMA)
+    result = refuse_case(cli, area, src, "-r", "qwerty", needles=["no preset has a similar name", "fusectl rules list"])
+    assert "llama-qkv" not in result.stderr

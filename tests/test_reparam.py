@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from fusectl.cli import main
 from fusectl.dtypes import BY_NAME
-from fusectl.errors import PlanError
+from fusectl.errors import ComputeError, PlanError
 from fusectl.ops.reparam import BnFold, SpectralNormFold, WeightNormFold, WeightNormUnfold
 from fusectl.tensors import TensorSpec
 
@@ -63,6 +63,29 @@ def test_conv_bn_fold_matches_torch_fusion_and_drops_counters(tmp_path):
     folded = load_file(out)
     assert not any("num_batches_tracked" in n or ".bn" in n for n in folded)
     assert_rel_close(folded, load_file(REPARAM / "conv_bn.reference.safetensors"), 1e-5)
+
+
+def _conv1d(x, w, b, padding, dilation=1):
+    """PyTorch's conv1d (stride 1, one group) in float64."""
+    x = np.pad(x, ((0, 0), (0, 0), (padding, padding)))
+    length = x.shape[2] - dilation * (w.shape[2] - 1)
+    out = sum(np.einsum("oi,bit->bot", w[:, :, k], x[:, :, k * dilation:k * dilation + length]) for k in range(w.shape[2]))
+    return out + b[None, :, None]
+
+
+def test_conv_bn_fold_folds_attributes_named_conv_and_bn_as_pytorch_computes(tmp_path):
+    # AttaCut's ConvolutionBatchNorm ({m}.conv + {m}.bn, dilated Conv1d) and a top-level
+    # conv + bn: the folded model gives the eval-mode output PyTorch stored
+    out = fuse(tmp_path, REPARAM / "conv_bn_attr.safetensors", "conv-bn-fold")
+    folded = load_file(out)
+    assert sorted(folded) == sorted(f"{m}.{t}" for m in ("conv", "conv1.conv", "conv2.conv") for t in ("weight", "bias"))
+    assert_rel_close(folded, load_file(REPARAM / "conv_bn_attr.reference.safetensors"), 1e-5)
+    io = load_file(REPARAM / "conv_bn_attr.io.safetensors")
+    f = {n: a.astype(np.float64) for n, a in folded.items()}
+    h = np.maximum(_conv1d(io["x"].astype(np.float64), f["conv.weight"], f["conv.bias"], padding=1), 0)
+    y = np.maximum(_conv1d(h, f["conv1.conv.weight"], f["conv1.conv.bias"], padding=1),
+                   _conv1d(h, f["conv2.conv.weight"], f["conv2.conv.bias"], padding=6, dilation=3))
+    np.testing.assert_allclose(y, io["y"], rtol=1e-5, atol=1e-5)
 
 
 CONVT_RULES = """
@@ -509,3 +532,39 @@ def test_verify_probes_a_grouped_conv_transpose_fold(tmp_path):
     assert probes[0]["name"].startswith(f"rule 'up' ({rules}): bn_fold F32[4, 3, 3, 3]")
     # the layer's output: 4 input channels → 2 groups × 3, a 3×3 input grown by the 3×3 kernel
     assert "float32[1, 6, 5, 5]" in result.output
+
+
+def _fold(op, w, gamma, var=1.0):
+    c = gamma.shape[0]
+    return op.apply([w, np.zeros(c, w.dtype), gamma.astype(w.dtype), np.zeros(c, w.dtype), np.zeros(c, w.dtype),
+                     np.full(c, var, w.dtype)])
+
+
+def test_bn_fold_refuses_a_channel_its_scale_underflows_to_zero_of_a_grouped_conv_transpose():
+    # ConvTranspose2d(4, 6, groups=2): weight [4, 3, k, k]; channel 4 is group 1's j = 1 (rows 2-3, column 1)
+    op = BnFold(layer="conv_transpose", groups=2)
+    w = np.ones((4, 3, 2, 2), np.float16)
+    gamma = np.ones(6, np.float32)
+    gamma[4] = 1e-30  # float16 holds it as 0 already: the channel's scale is 0, not a vanished one
+    _fold(op, w, gamma)
+    gamma[4] = 1e-4  # a scale float16 holds, times weights that make the folded channel underflow
+    w[2:, 1] = 1e-4
+    with pytest.raises(ComputeError, match=r"1 output channel\(s\) \(first: 4\) become all zeros: .* float16"):
+        _fold(op, w, gamma)
+    w[2:, 1] = 0  # a channel that was all zeros stays so: nothing vanished
+    folded, _ = _fold(op, w, gamma)
+    assert not folded[2:, 1].any() and folded[:2].all()
+
+
+def test_bn_fold_keeps_a_channel_whose_gamma_is_zero():
+    # gamma 0 zeroes a channel on purpose (a pruned channel): that is the fold, not an underflow
+    folded, bias = _fold(BnFold(), np.ones((3, 2, 1, 1), np.float32), np.array([1.0, 0.0, 2.0], np.float32))
+    assert folded[:, 0, 0, 0].tolist() == [1.0 / np.float32(np.sqrt(1 + 1e-5)), 0.0, 2.0 / np.float32(np.sqrt(1 + 1e-5))]
+
+
+@pytest.mark.parametrize("eps", [float("inf"), float("nan"), -1e-5])
+def test_bn_fold_plans_only_with_a_finite_eps_at_least_0_wherever_it_came_from(eps):
+    spec = TensorSpec(BY_NAME["F32"], (3,))
+    with pytest.raises(PlanError, match="finite number ≥ 0"):
+        BnFold(eps=eps).infer([TensorSpec(BY_NAME["F32"], (3, 2, 1, 1)), spec, spec, spec, spec, spec],
+                              ["w", "b", "g", "be", "m", "v"])

@@ -388,7 +388,8 @@ def test_the_order_from_the_models_code_is_the_llamas_named_parameters():
     from fusectl.errors import CheckpointError
     from fusectl.io.model_order import order_from_model
     config = json.loads((CHECKPOINT / "config.json").read_text())
-    assert order_from_model(config, "config.json") == llama_order()
+    held = [t.spec.shape for t in fusectl.open_checkpoint(str(CHECKPOINT)).table.entries.values()]
+    assert order_from_model(config, "config.json", held) == llama_order()
     _, state, mapping = _mapped(CHECKPOINT, param_order_from_model=True)
     assert mapping.source.endswith("(the model's code)")
     assert [mapping.names[p] for p in state.groups[0].params] == [n for n in llama_order() if "norm" not in n]
@@ -396,7 +397,7 @@ def test_the_order_from_the_models_code_is_the_llamas_named_parameters():
                       (dict(config, architectures=["os.system"]), "has no model class"),
                       ({k: v for k, v in config.items() if k != "model_type"}, "no 'architectures' and 'model_type'")):
         with pytest.raises(CheckpointError, match=said):
-            order_from_model(bad, "config.json")
+            order_from_model(bad, "config.json", held)
 
 
 def test_plan_lists_the_state_steps_under_their_parameters(orders):

@@ -160,7 +160,8 @@ class Checkpoint:
                                       f"{option('param_order_from_model')}; give {option('config')} or "
                                       f"{option('param_order')}")
             where = self.config_path or self.path
-            return order_from_model(self.config, where), f"{where} (the model's code)"
+            held = [t.spec.shape for t in self.table.entries.values()]
+            return order_from_model(self.config, where, held), f"{where} (the model's code)"
         return None, None
 
     def _record_file(self) -> str:

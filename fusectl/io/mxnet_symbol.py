@@ -29,6 +29,7 @@ operator's own parameter: the operator's name without Gluon's ``_fwd`` and the i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -153,7 +154,10 @@ class Symbol:
             if node.op != "BatchNorm":
                 continue
             inputs = [self._variable(node, k) for k in range(1, 5)]
-            found.append(BatchNorm(node.name, self._float(node, "eps", 1e-3), self._bool(node, "fix_gamma", True),
+            eps = self._float(node, "eps", 1e-3)
+            if not (math.isfinite(eps) and eps >= 0):  # 1e999 reads as inf: a fold by it zeroes the layer
+                raise self._error(node, f"eps is {quote(node.attrs['eps'])}, not a finite number ≥ 0")
+            found.append(BatchNorm(node.name, eps, self._bool(node, "fix_gamma", True),
                                    self._bool(node, "use_global_stats", False), self._int(node, "axis", 1),
                                    *inputs))
         return found

@@ -570,6 +570,10 @@ class BnFold(Op):
         present = [(s, n) for s, n in zip(specs, names) if s is not None]
         _check_float([s for s, _ in present], [n for _, n in present], "bn_fold")
         self._fixed_gamma()
+        # whoever gave eps (the rule, an MXNet symbol, a provenance): an infinite one zeroes the layer
+        if type(self.eps) not in (int, float) or not (math.isfinite(self.eps) and self.eps >= 0):
+            raise PlanError(f"bn_fold: eps = {self.eps!r}; BatchNorm's eps is a finite number ≥ 0 (PyTorch's "
+                            "default 1e-5)")
         w = specs[0]
         channels = self._channels(w.shape, names[0])
         for spec, name in zip(specs[1:], names[1:]):
@@ -595,15 +599,40 @@ class BnFold(Op):
         if not np.all(denominator > 0):
             raise ComputeError(f"var + eps is not positive for {int(np.sum(~(denominator > 0)))} channel(s)")
         scale = gamma / np.sqrt(denominator)
-        if self.layer == "conv_transpose":
-            cin_g, cout_g = w.shape[0] // self.groups, w.shape[1]
-            i, j = np.meshgrid(np.arange(w.shape[0]), np.arange(cout_g), indexing="ij")
-            per = scale[(i // cin_g) * cout_g + j]
-            folded = wc * per.reshape(per.shape + (1,) * (w.ndim - 2))
-        else:
-            folded = wc * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+        folded = (wc * self._per_element(scale, w.shape)).astype(w.dtype)
         bias = (bc - mean) * scale + beta
-        return [folded.astype(w.dtype), bias.astype(b.dtype if b is not None else w.dtype)]
+        self._check_no_channel_vanished(w, gamma, folded)
+        return [folded, bias.astype(b.dtype if b is not None else w.dtype)]
+
+    def _output_channel(self, shape: Sequence[int]) -> np.ndarray:
+        """The output channel of each (axis 0, axis 1) position of a weight of ``shape``: its
+        row for a conv or linear, for a ConvTranspose (i // (Cin/groups)) · (Cout/groups) + j."""
+        if self.layer == "conv_transpose":
+            cin_g, cout_g = shape[0] // self.groups, shape[1]
+            i, j = np.meshgrid(np.arange(shape[0]), np.arange(cout_g), indexing="ij")
+            return (i // cin_g) * cout_g + j
+        return np.broadcast_to(np.arange(shape[0])[:, None], (shape[0], shape[1]))
+
+    def _per_element(self, per_channel: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        """``per_channel`` (one value per output channel) laid out to broadcast over a weight of ``shape``."""
+        per = per_channel[self._output_channel(shape)]
+        return per.reshape(per.shape + (1,) * (len(shape) - 2))
+
+    def _check_no_channel_vanished(self, w: np.ndarray, gamma: np.ndarray, folded: np.ndarray) -> None:
+        """ComputeError when the fold turns an output channel whose weights and gamma are not
+        zero into all zeros: its scale gamma / sqrt(var + eps) underflowed the stored dtype (a
+        huge eps or variance), which would silently make the layer a constant."""
+        channels = self._output_channel(w.shape).reshape(-1)
+        axes = tuple(range(2, w.ndim))
+        had = np.zeros(gamma.shape, bool)
+        kept = np.zeros(gamma.shape, bool)
+        np.logical_or.at(had, channels, np.any(w != 0, axis=axes).reshape(-1))
+        np.logical_or.at(kept, channels, np.any(folded != 0, axis=axes).reshape(-1))
+        vanished = had & (gamma != 0) & ~kept
+        if np.any(vanished):
+            raise ComputeError(f"{int(np.sum(vanished))} output channel(s) (first: {int(np.argmax(vanished))}) become "
+                               f"all zeros: gamma / sqrt(var + eps) underflows {folded.dtype} (eps = {self.eps}); "
+                               "check eps and the running variance")
 
     def probe(self, p, before, after, input_specs, output_specs):
         """The layer followed by ONNX's BatchNormalization beside the folded layer alone, on a

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from importlib import resources
 from typing import Mapping
 
-from ..errors import RuleError
+from ..errors import RuleError, quote
 from .schema import RuleSet, load_rules
 
 
@@ -22,12 +23,27 @@ def preset_names() -> list[str]:
 
 
 def preset_text(name: str) -> str:
-    """The TOML text of preset ``name``; RuleError listing the presets when there is none of that name."""
-    if name not in preset_names():
-        raise RuleError(
-            f"{name!r} is neither a rules file nor a preset; presets are {', '.join(preset_names())}"
-        )
+    """The TOML text of preset ``name``; RuleError suggesting the closest names when there is
+    none of that name."""
+    names = preset_names()
+    if name not in names:
+        raise RuleError(f"{quote(name)} is neither a rules file nor a preset; {_nearest_presets(name, names)}")
     return (resources.files(__package__) / "presets" / f"{name}.toml").read_text()
+
+
+def _nearest_presets(name: str, names: list[str]) -> str:
+    """What to say for an unknown preset: the closest few names, not all of them.
+
+    >>> print(_nearest_presets("llama-qvk", ["bert-qkv", "llama-qkv", "lstm-to-onnx"]))
+    did you mean 'llama-qkv'? (`fusectl rules list` names all 3 presets)
+    """
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    every = f"`fusectl rules list` names all {len(names)} presets"
+    if not close:
+        return f"no preset has a similar name ({every})"
+    quoted = [quote(n) for n in close]
+    either = " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+    return f"did you mean {either}? ({every})"
 
 
 def preset_description(name: str) -> str:

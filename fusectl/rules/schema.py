@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ..config_edit import ConfigEdit
 from ..errors import RuleError
+from ..limits import check_limit, limit, nesting_depth
 from ..ops import OPS, Op
 from .patterns import Pattern
 from .variables import ConfigLookupError, Variables, checked_integer, evaluate
@@ -72,8 +73,10 @@ def load_rules(
     except ValueError as e:  # an integer literal past Python's 4,300-digit conversion limit
         raise RuleError(f"{source}: an integer is too long to read ({e}); sizes and counts fit in 64 bits") from e
     except RecursionError:  # tomllib recurses once per nested array or inline table
-        raise RuleError(f"{source}: arrays or tables nest too deeply to read; a rules file "
-                        "needs a few levels at most") from None
+        check_limit("rules-depth", limit("rules-depth") + 1, f"{source} (at least)", RuleError)
+        raise
+    # dotted keys and table headers nest without recursion in tomllib, not in what reads them
+    check_limit("rules-depth", nesting_depth(doc), source, RuleError)
     _no_unknown_keys(doc, _TOP_KEYS, source)
     if type(doc.get("version")) is not int or doc["version"] != 1:
         raise RuleError(f"{source}: 'version = 1' is required (got {doc.get('version')!r})")

@@ -68,25 +68,143 @@ def _numeric_kind(dtype: np.dtype) -> str | None:
     return None
 
 
-def _stats(values: np.ndarray) -> tuple[float, float, float]:
-    """max, mean and p99 ("higher": an element, never an interpolation between inf and a number)."""
-    if not values.size:
-        return 0.0, 0.0, 0.0
-    with np.errstate(over="ignore", invalid="ignore"):
-        return (float(np.max(values)), float(np.mean(values)),
-                float(np.percentile(values, 99, method="higher")))
+# elements compared at a time: one chunk's temporaries take about 100 bytes an element (6.5 MB),
+# so a comparison's own memory is bounded whatever the size of the outputs it compares
+CHUNK = 1 << 16
+# error values a p99 keeps to select from (8 bytes each); past that it narrows by histogram
+_KEEP = 1 << 18
+
+
+def _chunks(*arrays: np.ndarray):
+    """(start, [chunk of each array]) over the arrays' elements in C order, CHUNK at a time:
+    views of C-contiguous arrays, small copies of the others."""
+    flats = [a.reshape(-1) if a.flags.c_contiguous else a.flat for a in arrays]
+    for start in range(0, arrays[0].size, CHUNK):
+        yield start, [flat[start:start + CHUNK] for flat in flats]
+
+
+def _chunk_errors(reference: np.ndarray, candidate: np.ndarray, wide: type):
+    """One chunk's (ref, cand, NaN masks, finite mask, |a−b| and |ref| where finite else 0,
+    relative error), in float64 (complex128 for complex)."""
+    ref, cand = np.asarray(reference, dtype=wide), np.asarray(candidate, dtype=wide)
+    ref_nan, cand_nan = np.isnan(ref), np.isnan(cand)
+    finite = np.isfinite(ref) & np.isfinite(cand)
+    diff = np.abs(np.where(finite, ref - cand, 0))
+    magnitude = np.where(finite, np.abs(ref), 0.0)
+    rel = np.where(magnitude > 0, diff / np.where(magnitude > 0, magnitude, 1.0), np.where(diff > 0, np.inf, 0.0))
+    return ref, cand, ref_nan, cand_nan, finite, diff, magnitude, rel
+
+
+class _Rank:
+    """The exact k-th smallest of non-negative float64 values that arrive in chunks, in bounded
+    memory, over as many passes as it needs (at most five). A non-negative float's bit pattern,
+    read as an unsigned integer, orders as the float does. While the candidates fit in _KEEP
+    they are kept and the rank is selected among them; past that, a histogram of their next 16
+    bits finds the bin that holds the rank, and the next pass looks only at that bin's values.
+
+    >>> rank = _Rank()
+    >>> rank.feed(np.array([3.0, 1.0, 2.0]))
+    >>> rank.finish(1)
+    2.0
+    """
+
+    def __init__(self) -> None:
+        self.prefix, self.shift = 0, 64  # candidates: values whose bits >> shift == prefix (64: all)
+        self.kept: list[np.ndarray] | None = []
+        self.count = 0
+        self.histogram: np.ndarray | None = None
+        self.low, self.high = np.uint64(2**64 - 1), np.uint64(0)  # the candidates' extremes
+
+    def feed(self, values: np.ndarray) -> None:
+        """The values of one chunk (the same chunks, in the same order, on every pass)."""
+        bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+        if self.shift < 64:
+            bits = bits[(bits >> np.uint64(self.shift)) == np.uint64(self.prefix)]
+        if not bits.size:
+            return
+        self.low, self.high = min(self.low, bits.min()), max(self.high, bits.max())
+        self.count += bits.size
+        if self.shift == 0:  # every bit is fixed: the candidates are one value (low == high)
+            return
+        if self.kept is not None:
+            self.kept.append(bits)
+            if self.count <= _KEEP:
+                return
+            self.histogram = np.zeros(1 << 16, np.int64)
+            for kept in self.kept:
+                self._count(kept)
+            self.kept = None
+        else:
+            self._count(bits)
+
+    def _count(self, bits: np.ndarray) -> None:
+        digits = (bits >> np.uint64(self.shift - 16)) & np.uint64(0xFFFF)
+        self.histogram += np.bincount(digits.astype(np.intp), minlength=1 << 16)
+
+    def finish(self, k: int) -> float | None:
+        """The k-th smallest (0-based) of this pass's candidates, or None when it takes another
+        pass (then call :meth:`feed` with every chunk again and ``finish`` with :attr:`next_k`)."""
+        if self.low == self.high:  # every candidate is one value (no histogram can tell them apart)
+            return float(np.array(self.low, np.uint64).view(np.float64))
+        if self.kept is not None:
+            bits = np.concatenate(self.kept)
+            return float(np.partition(bits, k)[k:k + 1].view(np.float64)[0])
+        below = np.cumsum(self.histogram)
+        digit = int(np.searchsorted(below, k, side="right"))
+        self.next_k = k - (int(below[digit - 1]) if digit else 0)
+        self.prefix, self.shift = (self.prefix << 16) | digit, self.shift - 16
+        self.kept, self.count, self.histogram = [], 0, None
+        self.low, self.high = np.uint64(2**64 - 1), np.uint64(0)
+        return None
+
+
+class _P99s:
+    """The p99 of the absolute and of the relative error over the elements finite on both sides,
+    exactly as ``np.percentile(..., 99, method="higher")`` gives it (an element, never an
+    interpolation between inf and a number), in bounded memory: fed during the comparison's
+    pass, then another pass over the chunks for each narrowing a :class:`_Rank` needs."""
+
+    def __init__(self) -> None:
+        self.ranks = (_Rank(), _Rank())
+
+    def feed(self, abs_errors: np.ndarray, rel_errors: np.ndarray) -> None:
+        for rank, values in zip(self.ranks, (abs_errors, rel_errors)):
+            rank.feed(values)
+
+    def finish(self, covered: int, reference: np.ndarray, candidate: np.ndarray, wide: type) -> tuple[float, float]:
+        if not covered:
+            return 0.0, 0.0
+        wanted = [int(np.ceil(np.float64(0.99) * (covered - 1)))] * 2
+        found = [rank.finish(k) for rank, k in zip(self.ranks, wanted)]
+        while None in found:
+            wanted = [k if f is not None else rank.next_k for rank, k, f in zip(self.ranks, wanted, found)]
+            for _, (ref, cand) in _chunks(reference, candidate):
+                *_, finite, diff, _, rel = _chunk_errors(ref, cand, wide)
+                for rank, f, values in zip(self.ranks, found, (diff, rel)):
+                    if f is None:
+                        rank.feed(values[finite])
+            found = [f if f is not None else rank.finish(k) for rank, k, f in zip(self.ranks, wanted, found)]
+        return found[0], found[1]
 
 
 def _compare_exactly(name: str, reference: np.ndarray, candidate: np.ndarray,
                      atol: float, rtol: float) -> Comparison:
     """Strings and other non-numbers: equal or not, element by element."""
-    failed = np.broadcast_to(np.asarray(reference != candidate, dtype=bool), reference.shape)
-    mismatches = int(np.count_nonzero(failed))
-    first = [int(i) for i in np.unravel_index(int(np.argmax(failed)), failed.shape)] if mismatches else None
+    mismatches, first = 0, None
+    for start, (ref, cand) in _chunks(reference, candidate):
+        failed = np.broadcast_to(np.asarray(ref != cand, dtype=bool), ref.shape)
+        if first is None and failed.any():
+            first = start + int(np.argmax(failed))
+        mismatches += int(np.count_nonzero(failed))
     unreachable = math.inf if mismatches else 0.0
     return Comparison(name, str(reference.dtype), list(reference.shape), mismatches == 0, atol, rtol,
-                      mismatches, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, unreachable, unreachable, first,
-                      note=f"{reference.dtype} compared exactly")
+                      mismatches, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, unreachable, unreachable,
+                      _index(first, reference.shape), note=f"{reference.dtype} compared exactly")
+
+
+def _index(flat: int | None, shape: tuple[int, ...]) -> list[int] | None:
+    """The flat position ``flat`` as an index of each axis (None stays None)."""
+    return None if flat is None else [int(i) for i in np.unravel_index(flat, shape)]
 
 
 def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
@@ -97,7 +215,8 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
     mismatch that no tolerance passes (then ``min_atol``/``min_rtol`` are inf). The error
     statistics cover the elements finite on both sides; ``note`` says how many differ in
     infinity or in NaN. With atol = rtol = 0 the comparison is exact (integers included, with
-    no rounding through float64).
+    no rounding through float64). The arrays are compared CHUNK elements at a time: the
+    comparison's own memory does not grow with them (the p99s take another pass or two).
 
     >>> compare("y", np.array([np.inf, 1.0]), np.array([1.0, 1.0])).note
     '1 element(s) differ in infinity (first at [0]: reference inf, candidate 1); stats cover the 1 element(s) finite on both sides'
@@ -115,45 +234,59 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
     if kind is None:
         return _compare_exactly(name, reference, candidate, atol, rtol)
     wide = np.complex128 if kind == "c" else np.float64
-    ref, cand = np.asarray(reference, dtype=wide), np.asarray(candidate, dtype=wide)
+    covered = mismatches = nan_mismatches = inf_mismatches = 0
+    first = first_inf = None
+    max_abs = sum_abs = max_rel = sum_rel = needs_atol = needs_rtol = 0.0
+    p99s = _P99s()
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        ref_nan, cand_nan = np.isnan(ref), np.isnan(cand)
-        finite = np.isfinite(ref) & np.isfinite(cand)
-        nan_mismatch = ref_nan ^ cand_nan
-        inf_mismatch = ~finite & ~ref_nan & ~cand_nan & (ref != cand)
-        diff = np.zeros(ref.shape, np.float64)
-        diff[finite] = np.abs(ref[finite] - cand[finite])
-        magnitude = np.zeros(ref.shape, np.float64)
-        magnitude[finite] = np.abs(ref[finite])
-        rel = np.where(magnitude > 0, diff / np.where(magnitude > 0, magnitude, 1.0), np.where(diff > 0, np.inf, 0.0))
-        if atol == 0 and rtol == 0:  # exact: int64 beyond 2**53 would round equal through float64
-            beyond = finite & np.broadcast_to(np.asarray(reference != candidate, dtype=bool), ref.shape)
-        else:
-            beyond = finite & (diff > atol) & (diff > rtol * magnitude)
-    failed = beyond | nan_mismatch | inf_mismatch
-    mismatches = int(np.count_nonzero(failed))
-    first = [int(i) for i in np.unravel_index(int(np.argmax(failed)), failed.shape)] if mismatches else None
-    max_abs, mean_abs, p99_abs = _stats(diff[finite])
-    max_rel, mean_rel, p99_rel = _stats(rel[finite])
-    if nan_mismatch.any() or inf_mismatch.any():
+        for start, (reference_chunk, candidate_chunk) in _chunks(reference, candidate):
+            ref, cand, ref_nan, cand_nan, finite, diff, magnitude, rel = _chunk_errors(
+                reference_chunk, candidate_chunk, wide)
+            nan_mismatch = ref_nan ^ cand_nan
+            inf_mismatch = ~finite & ~ref_nan & ~cand_nan & (ref != cand)
+            if atol == 0 and rtol == 0:  # exact: int64 beyond 2**53 would round equal through float64
+                beyond = finite & np.broadcast_to(np.asarray(reference_chunk != candidate_chunk, dtype=bool),
+                                                  ref.shape)
+            else:
+                beyond = finite & (diff > atol) & (diff > rtol * magnitude)
+            failed = beyond | nan_mismatch | inf_mismatch
+            count = int(np.count_nonzero(failed))
+            if count and first is None:
+                first = start + int(np.argmax(failed))
+            mismatches += count
+            nan_mismatches += int(np.count_nonzero(nan_mismatch))
+            if first_inf is None and inf_mismatch.any():
+                at = int(np.argmax(inf_mismatch))
+                first_inf = (start + at, ref[at], cand[at])
+            inf_mismatches += int(np.count_nonzero(inf_mismatch))
+            n = int(np.count_nonzero(finite))
+            if n:
+                covered += n
+                abs_errors, rel_errors = diff[finite], rel[finite]
+                p99s.feed(abs_errors, rel_errors)
+                max_abs, sum_abs = max(max_abs, float(abs_errors.max())), sum_abs + float(abs_errors.sum())
+                max_rel, sum_rel = max(max_rel, float(rel_errors.max())), sum_rel + float(rel_errors.sum())
+                atol_needed = diff[finite & (diff > rtol * magnitude)]
+                rtol_needed = rel[finite & (diff > atol)]
+                needs_atol = max(needs_atol, float(atol_needed.max())) if atol_needed.size else needs_atol
+                needs_rtol = max(needs_rtol, float(rtol_needed.max())) if rtol_needed.size else needs_rtol
+        p99_abs, p99_rel = p99s.finish(covered, reference, candidate, wide)
+    mean_abs, mean_rel = (sum_abs / covered, sum_rel / covered) if covered else (0.0, 0.0)
+    if nan_mismatches or inf_mismatches:
         min_atol = min_rtol = math.inf  # no tolerance makes inf equal 1, or NaN equal anything
     else:
-        needs_atol = diff[finite & (diff > rtol * magnitude)]
-        needs_rtol = rel[finite & (diff > atol)]
-        min_atol = float(np.max(needs_atol)) if needs_atol.size else 0.0
-        min_rtol = float(np.max(needs_rtol)) if needs_rtol.size else 0.0
+        min_atol, min_rtol = needs_atol, needs_rtol
     notes = []
-    if inf_mismatch.any():
-        at = np.unravel_index(int(np.argmax(inf_mismatch)), inf_mismatch.shape)
-        notes.append(f"{int(np.count_nonzero(inf_mismatch))} element(s) differ in infinity (first at "
-                     f"{[int(i) for i in at]}: reference {ref[at]:g}, candidate {cand[at]:g})")
-    if nan_mismatch.any():
-        notes.append(f"{int(np.count_nonzero(nan_mismatch))} element(s) NaN on one side only")
-    covered = int(np.count_nonzero(finite))
-    if covered != ref.size:
+    if first_inf is not None:
+        at, ref_value, cand_value = first_inf
+        notes.append(f"{inf_mismatches} element(s) differ in infinity (first at "
+                     f"{_index(at, reference.shape)}: reference {ref_value:g}, candidate {cand_value:g})")
+    if nan_mismatches:
+        notes.append(f"{nan_mismatches} element(s) NaN on one side only")
+    if covered != reference.size:
         notes.append(f"stats cover the {covered} element(s) finite on both sides")
     return Comparison(
         name, dtype, shape, mismatches == 0, atol, rtol, mismatches,
-        max_abs, mean_abs, p99_abs, max_rel, mean_rel, p99_rel, min_atol, min_rtol, first,
+        max_abs, mean_abs, p99_abs, max_rel, mean_rel, p99_rel, min_atol, min_rtol, _index(first, reference.shape),
         note="; ".join(notes),
     )

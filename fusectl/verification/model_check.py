@@ -176,8 +176,12 @@ def verify_models(
         raise VerifyError(
             f"{candidate}: its inputs {sorted(cand_inputs)} differ from {reference}'s {sorted(feeds)}"
         )
+    # each session is let go once run: its arena (the graph's intermediate buffers) is not needed
+    # to run the other graph or to compare the outputs
     ref_out = run(ref_sess, feeds, reference)
+    del ref_sess
     cand_out = run(cand_sess, feeds, candidate)
+    del cand_sess
     report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named, shared=shared.to_json(),
                                precision="fp32-upcast" if upcast else "native",
                                inputs=[_input_entry(s) for s in specs])
