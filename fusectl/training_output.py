@@ -38,7 +38,8 @@ from .followers.optimizer import STATE_SEP
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.optimizer_state import LIGHTNING_KEY, node_at, read_order, training_tree, written_optimizer
+from .io.key_path import KeyPath, node_at, without
+from .io.optimizer_state import LIGHTNING_KEY, read_order, training_tree, written_optimizer
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
@@ -72,12 +73,12 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
     training = checkpoint.training
     order = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
     moved = moved_optimizer(checkpoint, table, plan, order=order, order_source=param_order_out)
-    root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer,
+    root = training_tree(training.tree(), training.model_path, moved.model, training.optimizer_path, moved.optimizer,
                          twin_entries(checkpoint, twins))
     return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
 
 
-def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tuple[str, dict]]:
+def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tuple[KeyPath, dict]]:
     """Each moved twin as (its key, the dict to write there): its tensors in the order the
     model's are written (the twin's own order, a fused tensor where its first part was) under
     its prefix, where its first tensor of the model stood; its other entries (an
@@ -94,7 +95,7 @@ def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tup
             elif not placed:
                 entries.update((twin.prefix + n, moved.table.entries[n]) for n in names)
                 placed = True
-        out.append((twin.where, entries))
+        out.append((twin.path, entries))
     return out
 
 
@@ -162,7 +163,7 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     written_groups = [[(name, id_of[members[name][0]], members[name] == [name], state_of(name)) for name in group]
                       for group in groups]
     optimizer = training.tree() if isinstance(training, TrainerOptimizer) else \
-        node_at(training.tree(), training.optimizer_key)
+        node_at(training.tree(), training.optimizer_path)
     new_optimizer = written_optimizer(state, optimizer, written_groups)  # in the form it was read in
     return MovedOptimizer(model, new_optimizer, [n for group in groups for n in group])
 
@@ -179,24 +180,13 @@ def write_without_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Pla
     training = checkpoint.training
     model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
-    root = training_tree(training.tree(), training.model_key, model, None, None, twin_entries(checkpoint, twins))
-    parts = training.optimizer_key.split(".")
-    if len(parts) >= 2 and parts[-2] == LIGHTNING_KEY and parts[-1].isdigit():
-        root = _without(root, parts[:-2], {LIGHTNING_KEY, "lr_schedulers"})
+    root = training_tree(training.tree(), training.model_path, model, None, None, twin_entries(checkpoint, twins))
+    path = training.optimizer_path
+    if len(path) >= 2 and path[-2] == LIGHTNING_KEY and type(path[-1]) is int:
+        root = without(root, path[:-2], {LIGHTNING_KEY, "lr_schedulers"})
     else:
-        root = _without(root, parts[:-1], {parts[-1]})
+        root = without(root, path[:-1], {path[-1]})
     return _write_tree(checkpoint, table, root, recorded, out, force, on_note)
-
-
-def _without(tree, where: list[str], keys: set[str]):
-    """``tree`` with the entries ``keys`` of the dict at the dotted path ``where`` left out."""
-    if not where:
-        return {k: v for k, v in tree.items() if str(k) not in keys}
-    if isinstance(tree, (list, tuple)):
-        items = list(tree)
-        items[int(where[0])] = _without(items[int(where[0])], where[1:], keys)
-        return type(tree)(items)
-    return {k: (_without(v, where[1:], keys) if str(k) == where[0] else v) for k, v in tree.items()}
 
 
 def _model_order(checkpoint: Checkpoint, model_names: list[str], plan: Plan, order: list[str],
