@@ -31,6 +31,7 @@ from .config_edit import resolve_edits
 from .inspection import InspectReport, inspect_checkpoint
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
 from .io.formats import output_kind
+from .key_order import keys_for
 from .steps import Plan, RuleOrigin
 from .followers.optimizer import STATE_SEP
 from .reports import human, name_map_text, plan_json, plan_text
@@ -38,7 +39,7 @@ from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .io.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
-from .training_output import model_steps, model_ties, write_training, write_without_optimizer, writes_training
+from .training_output import left_out, model_steps, model_ties, write_container, write_training, writes_training
 from .twins import MovedTwin, move_twins
 from .write import write_table
 
@@ -323,9 +324,10 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     written (``training_output``; ``param_order_out`` its parameter order; ``moved`` the plan that
     made ``table`` when it is not ``new``, as for an unfuse, which records no steps). A Hugging
     Face Trainer folder written whole is a folder (``trainer_output``): the model, its
-    optimizer.pt rewritten, its other files copied. ``dropped``: the optimizer is left out on
-    purpose (no note; a PyTorch output is the training dict without it,
-    ``training_output.write_without_optimizer``); ``untied``: tie groups of trained parameters
+    optimizer.pt rewritten, its other files copied. A training dict without an optimizer written
+    to a PyTorch file is written whole too (``training_output.write_container``), as is one whose
+    optimizer is ``dropped``: left out on purpose (no note; the training dict without it);
+    every output's keys are in the input's order (``key_order``). ``untied``: tie groups of trained parameters
     the plan broke (``untie_training``); both go into the report's ``optimizer``. ``twins``: the
     model's copies after the plan (``fusectl.twins``), written at their keys of a training dict."""
     out = os.fspath(out)
@@ -338,30 +340,31 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         state = "moved" if whole_training else "dropped" if dropped else "copied" if unchanged else "not written"
         fate = {"where": training.optimizer_key, "state": state, "untied": [list(g) for g in untied],
                 "trajectory_changes": bool(untied)}
+    made = new if moved is None else moved
     if whole_training and trainer:
         edited, companions = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        report = write_trainer_folder(checkpoint, table, new if moved is None else moved, recorded, out,
+        report = write_trainer_folder(checkpoint, table, made, recorded, out,
                                       companions=companions, param_order_out=param_order_out,
                                       param_order_from_model=param_order_from_model, restore=moved is not None,
                                       max_shard_size=max_shard_size, force=force, progress=progress,
-                                      on_note=on_note)
+                                      on_note=on_note, keys=keys_for(checkpoint, table, made, recorded))
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table), optimizer=fate)
     # a training dict's tree (a Trainer folder without its optimizer is a model folder)
-    as_training = whole_training or (dropped and not trainer and writes_training(checkpoint, out))
+    as_training = whole_training or (not trainer and writes_training(checkpoint, out))
     if as_training and max_shard_size is not None:
         raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
     if as_training:
         edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        made = new if moved is None else moved
+        order = keys_for(checkpoint, table, made, recorded)
         if whole_training:
-            report = write_training(checkpoint, table, made, recorded, out, param_order_out=param_order_out,
+            report = write_training(checkpoint, table, made, out, order=order, param_order_out=param_order_out,
                                     force=force, on_note=on_note, twins=twins)
-        else:  # dropped: the training dict without its optimizer
-            report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note,
-                                             twins=twins)
+        else:  # no optimizer, or one dropped: the training dict without it
+            report = write_container(checkpoint, table, made, out, order=order, drop_optimizer=dropped, force=force,
+                                     on_note=on_note, twins=twins)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table), optimizer=fate,
                           twins=tuple(t.twin.where for t in twins))
@@ -369,6 +372,9 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: {out} holds "
                 "the model's tensors only (a PyTorch file, .pt, holds the whole training dict; "
                 f"{option('drop_optimizer')} leaves the state out on purpose)")
+    elif training is not None and not trainer and on_note is not None:
+        on_note(f"{checkpoint.path}: its entries beside the model's tensors ({', '.join(left_out(checkpoint))}) are not "
+                f"written: {out} holds the model's tensors only (a PyTorch file, .pt, holds the whole training dict)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
     if trainer and dropped:  # the model folder: without optimizer.pt, a Trainer resuming from the
         # scheduler and trainer state it left would go on with a fresh optimizer, silently
@@ -382,7 +388,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
                          companions=companions, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, stem=view.stem if view is not None else "model",
-                         lora_base=lora_base)
+                         lora_base=lora_base, order=keys_for(checkpoint, table, made, recorded))
     return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                       len(recorded.steps), table.ties(), optimizer=fate)
 
@@ -492,7 +498,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
-    whole = writes_training(checkpoint, out) and not drop_optimizer
+    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
                         "whole (a PyTorch output of a training dict with an optimizer, a folder output of a Trainer "
@@ -569,7 +575,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key)
     _check_drop(checkpoint, drop_optimizer)
-    whole = writes_training(checkpoint, out) and not drop_optimizer
+    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
     untie = untie or untie_training
     if rules:
         loaded = _load_with_origins(checkpoint, rules)
@@ -661,7 +667,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
-    whole = writes_training(checkpoint, out) and not drop_optimizer and \
+    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer and \
         not isinstance(checkpoint.training, TrainerOptimizer)
     table = _training_table(checkpoint) if whole else checkpoint.table.copy()
     if write_ties_once:

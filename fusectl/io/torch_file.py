@@ -99,8 +99,10 @@ class TorchContents:
     key: str | None  # dotted key of the state dict chosen inside the file's object (None: the top level)
     ignored: list[str]  # names of entries of the chosen state dict that are not tensors
     candidates: dict[KeyPath, int]  # key path (() = top level) → tensor count, of every dict of tensors considered
-    training: Training | None = None  # a training dict's other parts (None: the state dict is the top level)
+    training: Training | None = None  # the container around the state dict (None: a top-level state dict alone)
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # fusectl's record (METADATA_RECORD)
+    # every name of tensors and aliases in the state dict's order (None: tensors', then aliases')
+    order: list[str] | None = None
 
 
 def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
@@ -110,7 +112,7 @@ def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], 
     check_pytorch(path)
     found = read_torch(path, key)
     return Contents(found.tensors, [path], found.metadata, found.metadata.get(METADATA_KEY), aliases=found.aliases,
-                    state_dict_key=found.key, ignored=found.ignored, training=found.training)
+                    state_dict_key=found.key, ignored=found.ignored, training=found.training, order=found.order)
 
 
 def read_pytorch_index(path: str, key: str | None = None,
@@ -792,18 +794,22 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
             what = "is not a dict of tensors" if any(key_text(p) == key for p in found.dicts) else "does not exist"
             raise CheckpointError(f"{where}: key {quote(key[:200])} {what}; the dicts of tensors are: "
                                   f"{_listed(list(candidates), candidates) or 'none'}")
-    tensors, aliases, ignored = _state_dict(path, archive, found.dicts[chosen])
-    return TorchContents(tensors, aliases, key_text(chosen) or None, ignored, candidates,
-                         _training(path, archive, found, chosen), archive.metadata)
+    state = found.dicts[chosen]
+    tensors, aliases, ignored = _state_dict(path, archive, state)
+    # a tied name where the state dict holds it (a model's lm_head.weight last, not beside its embedding)
+    order = [str(k) for k, v in state.items() if type(k) in (str, int) and isinstance(v, _View)] if aliases else None
+    # a top-level state dict that holds other entries is its own container: written whole, they stay
+    training = _training(path, archive, found, chosen) if chosen or ignored else None
+    return TorchContents(tensors, aliases, key_text(chosen) or None, ignored, candidates, training,
+                         archive.metadata, order)
 
 
-def _training(path: str, archive: _Archive, found: "_Dicts", key: KeyPath) -> Training | None:
-    """The training dict around the state dict at ``key`` (None for a top-level state dict):
-    the optimizer beside it, and the whole tree, converted when asked for."""
-    if not key:
-        return None
+def _training(path: str, archive: _Archive, found: "_Dicts", key: KeyPath) -> Training:
+    """The training dict around the state dict at ``key`` (a top-level state dict with other
+    entries: the file itself): the optimizer beside it, and the whole tree, converted when asked
+    for."""
     prefix = key[:-1]
-    parent = found.dicts.get(prefix)
+    parent = found.dicts.get(prefix) if key else None
     optimizer_key, problem = find_optimizer(parent, prefix) if parent is not None else (None, None)
     where = printable(path)
     return Training(path, key, optimizer_key, lambda: _lazy_tree(path, archive, archive.root),
