@@ -43,9 +43,9 @@ from .followers.optimizer import STATE_SEP
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.key_path import KeyPath, key_text, node_at, without
+from .io.key_path import KeyPath, key_text, node_at
 from .key_order import KeyOrder, output_order, sort_keys, ties_of
-from .io.optimizer_state import LIGHTNING_KEY, read_order, training_tree, written_optimizer
+from .io.optimizer_state import read_order, training_tree, without_optimizer, written_optimizer
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
@@ -118,12 +118,8 @@ def write_container(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: 
     model = model_dict(node_at(training.tree(), training.model_path), {n: table.entries[n] for n in names}, plan,
                        set(checkpoint.table.entries))
     root = training_tree(training.tree(), training.model_path, model, None, None, twin_entries(checkpoint, twins))
-    path = training.optimizer_path
-    if drop_optimizer and path is not None:
-        if len(path) >= 2 and path[-2] == LIGHTNING_KEY and type(path[-1]) is int:
-            root = without(root, path[:-2], {LIGHTNING_KEY, "lr_schedulers"})
-        else:
-            root = without(root, path[:-1], {path[-1]})
+    if drop_optimizer and training.optimizer_path is not None:
+        root = without_optimizer(root, training.optimizer_path)
     return _write_tree(checkpoint, table, root, order, out, force, on_note)
 
 

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 from ..errors import CheckpointError, printable, quote
 from ..followers.optimizer import SCALAR_KEYS, STATE_SEP, recognise
 from ..tensors import LazyTensor, TensorSpec
-from .key_path import KeyPath, key_text, node_at, replaced
+from .key_path import KeyPath, key_text, node_at, replaced, without
 
 # where an optimizer's state_dict sits beside the model's, in a training dict
 OPTIMIZER_KEYS = ("optimizer_state_dict", "optimizer", "optimizer_state", "opt", "optim")
@@ -719,3 +719,12 @@ def find_optimizer(parent: Mapping, prefix: KeyPath) -> tuple[KeyPath | None, st
         return None, (f"holds two optimizer states, {quote(key_text(found[0]))} and {quote(key_text(found[1]))}; "
                       "fusectl moves one")
     return (found[0] if found else None), None
+
+
+def without_optimizer(tree: object, path: KeyPath) -> object:
+    """The training dict ``tree`` without its optimizer at ``path``: the entry there, or
+    Lightning's ``optimizer_states`` with its ``lr_schedulers``, as Lightning's
+    ``save_weights_only`` leaves them out (what ``--drop-optimizer`` writes)."""
+    if len(path) >= 2 and path[-2] == LIGHTNING_KEY and type(path[-1]) is int:
+        return without(tree, path[:-2], {LIGHTNING_KEY, "lr_schedulers"})
+    return without(tree, path[:-1], {path[-1]})
