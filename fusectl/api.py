@@ -373,8 +373,10 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
                 "the model's tensors only (a PyTorch file, .pt, holds the whole training dict; "
                 f"{option('drop_optimizer')} leaves the state out on purpose)")
     elif training is not None and not trainer and on_note is not None:
-        on_note(f"{checkpoint.path}: its entries beside the model's tensors ({', '.join(left_out(checkpoint))}) are not "
-                f"written: {out} holds the model's tensors only (a PyTorch file, .pt, holds the whole training dict)")
+        names = left_out(checkpoint)
+        listed = f" ({', '.join(names)})" if names else ""
+        on_note(f"{checkpoint.path}: its entries beside the model's tensors{listed} are not written: {out} holds "
+                "the model's tensors only (a PyTorch file, .pt, holds the whole training dict)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
     if trainer and dropped:  # the model folder: without optimizer.pt, a Trainer resuming from the
         # scheduler and trainer state it left would go on with a fresh optimizer, silently

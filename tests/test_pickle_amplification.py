@@ -67,7 +67,9 @@ sys.argv = ["fusectl", "inspect", sys.argv[1]]
 try:
     main()
 finally:
-    print("peak_kb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+    # this process's own peak (VmHWM): ru_maxrss keeps the peak of the process it was forked from
+    with open("/proc/self/status") as status:
+        print("peak_kb", next(line.split()[1] for line in status if line.startswith("VmHWM:")), file=sys.stderr)
 """
 
 
