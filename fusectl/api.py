@@ -449,11 +449,12 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     A training dict with an optimizer written to a PyTorch file (``.pt``, ``.pth``, ``.bin``,
     ``.ckpt``) is written whole: the fused model, the optimizer with its state moved (each
     state tensor takes its parameter's steps) and its ids renumbered in the output parameter
-    order, every other entry kept (``fusectl.training_output``). Other outputs hold the model
-    only. A Hugging Face Trainer folder (``checkpoint-N/``) written to a folder is written whole
-    the same way: the fused model, ``optimizer.pt`` with its state moved, every other file copied
-    byte for byte (``fusectl.trainer_output``).
-    only. With ``drop_optimizer`` no output holds the optimizer state — a PyTorch file is the
+    order, every other entry kept (``fusectl.training_output``); one without an optimizer is
+    written whole too, only its model's tensors changed. Other outputs hold the model only, in
+    the input's key order (``fusectl.key_order``). A Hugging Face Trainer folder
+    (``checkpoint-N/``) written to a folder is written whole the same way: the fused model,
+    ``optimizer.pt`` with its state moved, every other file copied byte for byte
+    (``fusectl.trainer_output``). With ``drop_optimizer`` no output holds the optimizer state — a PyTorch file is the
     training dict without it (Lightning's: without ``optimizer_states`` and ``lr_schedulers``,
     as ``save_weights_only`` writes), every other entry kept — and the rules the optimizer
     cannot follow (numeric folds, a non-elementwise optimizer) apply.
@@ -634,9 +635,9 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
-    A training dict with an optimizer written to a PyTorch file is written whole, as
-    :func:`fuse` writes it (its optimizer's ids numbered 0..n-1 in the state dict's order);
-    other outputs, and any output with ``drop_optimizer``, hold the model only.
+    A training dict written to a PyTorch file is written whole, as :func:`fuse` writes it
+    (an optimizer's ids numbered 0..n-1 in the state dict's order; with ``drop_optimizer``, the
+    dict without its optimizer); other outputs hold the model only. Keys keep the input's order.
 
     :param ckpt: the checkpoint: a path (any format fusectl reads: PyTorch files and
         ``pytorch_model*.bin`` folders, read without torch; an ONNX model's initializers;

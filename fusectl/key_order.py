@@ -42,7 +42,7 @@ from .table import ParamTable
 _AFTER = float("inf")  # a tied alias's place: right after its tensor's first name and what was made there
 
 
-def sort_keys(positions: Mapping[str, int], plan: Plan, names: Iterable[str],
+def sort_keys(positions: Mapping[str, int], plan: Plan, names: Sequence[str],
               ties: Mapping[str, Sequence[str]] | None = None) -> dict[str, tuple]:
     """Each of ``names`` that has a place → its sort key: ``(position,)`` for a name of the
     input at ``positions``, the key of a step's first placed input extended by the output's
