@@ -31,6 +31,7 @@ from .config_edit import resolve_edits
 from .inspection import InspectReport, inspect_checkpoint
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
 from .io.formats import output_kind
+from .key_order import keys_for
 from .steps import Plan, RuleOrigin
 from .followers.optimizer import STATE_SEP
 from .reports import human, name_map_text, plan_json, plan_text
@@ -38,7 +39,7 @@ from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .io.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
-from .training_output import model_steps, model_ties, moves_state, write_training, write_without_optimizer, \
+from .training_output import left_out, model_steps, model_ties, moves_state, write_container, write_training, \
     writes_training
 from .twins import MovedTwin, move_twins
 from .write import write_table
@@ -342,9 +343,10 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     written (``training_output``; ``param_order_out`` its parameter order; ``moved`` the plan that
     made ``table`` when it is not ``new``, as for an unfuse, which records no steps). A Hugging
     Face Trainer folder written whole is a folder (``trainer_output``): the model, its
-    optimizer.pt rewritten, its other files copied. ``dropped``: the optimizer is left out on
-    purpose (no note; a PyTorch output is the training dict without it,
-    ``training_output.write_without_optimizer``); ``untied``: tie groups of trained parameters
+    optimizer.pt rewritten, its other files copied. A training dict without an optimizer written
+    to a PyTorch file is written whole too (``training_output.write_container``), as is one whose
+    optimizer is ``dropped``: left out on purpose (no note; the training dict without it);
+    every output's keys are in the input's order (``key_order``). ``untied``: tie groups of trained parameters
     the plan broke (``untie_training``); both go into the report's ``optimizer``. ``twins``: the
     model's copies after the plan (``fusectl.twins``), written at their keys of a training dict.
     ``state_copied``: a training dict written whole whose plan moves no parameter
@@ -360,30 +362,31 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
             "dropped" if dropped else "not written"
         fate = {"where": training.optimizer_key, "state": state, "untied": [list(g) for g in untied],
                 "trajectory_changes": bool(untied)}
+    made = new if moved is None else moved
     if whole_training and trainer:
         edited, companions = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        report = write_trainer_folder(checkpoint, table, new if moved is None else moved, recorded, out,
+        report = write_trainer_folder(checkpoint, table, made, recorded, out,
                                       companions=companions, param_order_out=param_order_out,
                                       param_order_from_model=param_order_from_model, restore=moved is not None,
                                       max_shard_size=max_shard_size, force=force, progress=progress,
-                                      on_note=on_note)
+                                      on_note=on_note, keys=keys_for(checkpoint, table, made, recorded))
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table), optimizer=fate)
     # a training dict's tree (a Trainer folder without its optimizer is a model folder)
-    as_training = whole_training or (dropped and not trainer and writes_training(checkpoint, out))
+    as_training = whole_training or (not trainer and writes_training(checkpoint, out))
     if as_training and max_shard_size is not None:
         raise PlanError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
     if as_training:
         edited, _ = _edit_config(checkpoint, model_steps(new), out, on_note)
         recorded = history + edited
-        made = new if moved is None else moved
-        if whole_training:
-            report = write_training(checkpoint, table, made, recorded, out, param_order_out=param_order_out,
-                                    force=force, on_note=on_note, twins=twins, state_copied=state_copied)
-        else:  # dropped: the training dict without its optimizer
-            report = write_without_optimizer(checkpoint, table, made, recorded, out, force=force, on_note=on_note,
-                                             twins=twins)
+        order = keys_for(checkpoint, table, made, recorded)
+        if whole_training and not state_copied:
+            report = write_training(checkpoint, table, made, out, order=order, param_order_out=param_order_out,
+                                    force=force, on_note=on_note, twins=twins)
+        else:  # no optimizer, one no step moves (written as read), or one dropped: the training dict whole
+            report = write_container(checkpoint, table, made, out, order=order, drop_optimizer=dropped, force=force,
+                                     on_note=on_note, twins=twins)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table), optimizer=fate,
                           twins=tuple(t.twin.where for t in twins))
@@ -391,6 +394,11 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         on_note(f"{checkpoint.path}: its optimizer state ({training.optimizer_key}) is not written: {out} holds "
                 "the model's tensors only (a PyTorch file, .pt, holds the whole training dict; "
                 f"{option('drop_optimizer')} leaves the state out on purpose)")
+    elif training is not None and not trainer and on_note is not None:
+        names = left_out(checkpoint)
+        listed = f" ({', '.join(names)})" if names else ""
+        on_note(f"{checkpoint.path}: its entries beside the model's tensors{listed} are not written: {out} holds "
+                "the model's tensors only (a PyTorch file, .pt, holds the whole training dict)")
     new, companions = _edit_config(checkpoint, new, out, on_note)
     if trainer and dropped:  # the model folder: without optimizer.pt, a Trainer resuming from the
         # scheduler and trainer state it left would go on with a fresh optimizer, silently
@@ -404,7 +412,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
                          companions=companions, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, stem=view.stem if view is not None else "model",
-                         lora_base=lora_base)
+                         lora_base=lora_base, order=keys_for(checkpoint, table, made, recorded))
     return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                       len(recorded.steps), table.ties(), optimizer=fate)
 
@@ -463,11 +471,12 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     A training dict with an optimizer written to a PyTorch file (``.pt``, ``.pth``, ``.bin``,
     ``.ckpt``) is written whole: the fused model, the optimizer with its state moved (each
     state tensor takes its parameter's steps) and its ids renumbered in the output parameter
-    order, every other entry kept (``fusectl.training_output``). Other outputs hold the model
-    only. A Hugging Face Trainer folder (``checkpoint-N/``) written to a folder is written whole
-    the same way: the fused model, ``optimizer.pt`` with its state moved, every other file copied
-    byte for byte (``fusectl.trainer_output``).
-    only. With ``drop_optimizer`` no output holds the optimizer state — a PyTorch file is the
+    order, every other entry kept (``fusectl.training_output``); one without an optimizer is
+    written whole too, only its model's tensors changed. Other outputs hold the model only, in
+    the input's key order (``fusectl.key_order``). A Hugging Face Trainer folder
+    (``checkpoint-N/``) written to a folder is written whole the same way: the fused model,
+    ``optimizer.pt`` with its state moved, every other file copied byte for byte
+    (``fusectl.trainer_output``). With ``drop_optimizer`` no output holds the optimizer state — a PyTorch file is the
     training dict without it (Lightning's: without ``optimizer_states`` and ``lr_schedulers``,
     as ``save_weights_only`` writes), every other entry kept — and the rules the optimizer
     cannot follow (numeric folds, a non-elementwise optimizer) apply.
@@ -514,7 +523,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
-    whole = writes_training(checkpoint, out) and not drop_optimizer
+    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
                         "whole (a PyTorch output of a training dict with an optimizer, a folder output of a Trainer "
@@ -604,7 +613,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    whole = writes_training(checkpoint, out) and not drop_optimizer
+    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
     untie = untie or untie_training
     copied = False
     if rules:
@@ -673,9 +682,10 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
-    A training dict with an optimizer written to a PyTorch file is written whole, its optimizer
-    as it was read (no step moves a parameter, so its ids need not be mapped to them); other
-    outputs, and any output with ``drop_optimizer``, hold the model only.
+    A training dict written to a PyTorch file is written whole, as :func:`fuse` writes it: its
+    optimizer as it was read (no step moves a parameter, so its ids need not be mapped to them);
+    with ``drop_optimizer``, the dict without its optimizer. Other outputs hold the model only.
+    Keys keep the input's order.
 
     :param ckpt: the checkpoint: a path (any format fusectl reads: PyTorch files and
         ``pytorch_model*.bin`` folders, read without torch; an ONNX model's initializers;
@@ -709,7 +719,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
-    whole = writes_training(checkpoint, out) and not drop_optimizer and \
+    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer and \
         not isinstance(checkpoint.training, TrainerOptimizer)
     table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from .errors import CheckpointError, PlanError, option, printable
 from .io.checkpoint import Checkpoint, Companion, read_config_text
 from .io.optimizer_state import order_record, read_order
+from .key_order import KeyOrder
 from .steps import Plan
 from .table import ParamTable
 from .training_output import model_only, moved_optimizer, tree_tensors
@@ -42,11 +43,12 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
                          companions: Sequence[Companion], param_order_out: str | None = None,
                          param_order_from_model: bool = False, restore: bool = False,
                          max_shard_size: int | None = None, force: bool = False, progress: bool | None = None,
-                         on_note: Callable[[str], None] | None = None) -> WriteReport:
+                         on_note: Callable[[str], None] | None = None, keys: KeyOrder | None = None) -> WriteReport:
     """Write the Trainer folder ``checkpoint`` to the folder ``out`` with ``table`` (what ``plan``
     made of its training table: model and optimizer state), ``recorded`` as the model's
     provenance, ``companions`` (the folder's other files, an edited config.json among them)
-    copied. ``restore``: an unfuse, whose parameters take the recorded original order.
+    copied. ``restore``: an unfuse, whose parameters take the recorded original order. ``keys``:
+    the model's key order (``key_order.keys_for``).
 
     :raises PlanError: as :func:`~fusectl.training_output.write_training`; CheckpointError when the
         order from the model's code cannot be had. Nothing is written then.
@@ -75,7 +77,7 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
     files.append(Companion(training.file, relative, write=write_optimizer))
     report = write_table(model_table, recorded, out, inputs=checkpoint.input_paths(),
                          passthrough=checkpoint.metadata, companions=files, max_shard_size=max_shard_size, force=force, progress=progress,
-                         on_note=on_note)
+                         on_note=on_note, order=keys)
     state_bytes = sum(t.spec.nbytes for t in {id(t): t for t in tree_tensors(moved.optimizer)}.values())
     return WriteReport(report.path, report.tensors, report.unique_bytes, report.copied_bytes,
                        report.written_bytes + state_bytes)

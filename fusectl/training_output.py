@@ -1,13 +1,17 @@
-"""A fused training dict written whole: the model, the optimizer with its state moved, the rest kept.
+"""A training dict written whole: the model, the optimizer with its state moved, the rest kept.
 
-When ``fuse`` reads a training dict whose optimizer state it can map (``Checkpoint.training``
-with an optimizer) and writes a PyTorch file, it plans the state tensors with their parameters
-(``<name>::<key>`` entries of the table, ``followers.optimizer``) and this module assembles
-what ``torch.save`` would have written for the fused model's training:
+A PyTorch output of a training dict (``Checkpoint.training``: any dict around the state dict
+read, a top-level state dict with other entries too) is the whole container, every entry of it
+as read, only the model's tensors changed (:func:`write_container`; exit 0 never drops one).
+When ``fuse`` reads a training dict whose optimizer state it can map and writes a PyTorch
+file, it plans the state tensors with their parameters (``<name>::<key>`` entries of the table,
+``followers.optimizer``) and :func:`write_training` assembles what ``torch.save`` would have
+written for the fused model's training:
 
-- the model state dict: the fused table's tensors as a ``collections.OrderedDict`` (tied names
-  one tensor, so one storage), each fused tensor where its first part was (in the given
-  parameter order when there is one);
+- the model state dict: the dict as read (an ``OrderedDict`` stays one), its model tensors
+  replaced by the fused table's (tied names one tensor, so one storage) in the input's key
+  order, each fused tensor where its first part was (``fusectl.key_order``; in the given
+  parameter order when there is one), its other entries where they were (:func:`model_dict`);
 - the optimizer, in the form it was read in (``io.optimizer_state.written_optimizer``):
   ``param_groups`` with their hyperparameters as read, ``params`` renumbered 0..n-1 over the
   groups in the output parameter order (by default the input optimizer's, a fused parameter where
@@ -28,8 +32,9 @@ declares ``o_proj`` before ``qkv_proj``) is given it as a JSON list
 parameters are sorted by it.
 
 ``unfuse`` of such a file from its provenance writes it the same way, with the inverse plan
-lifted to the state (``api.unfuse``): each part takes its fused parameter's place, so a fuse
-in the default order unfuses to the original training dict, bitwise and in order.
+lifted to the state (``api.unfuse``): each part takes its fused parameter's place (or, where
+the parts were not adjacent, the place the provenance recorded), so a fuse in the default order
+unfuses to the original training dict, bitwise and in order.
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ from .followers.optimizer import SCALAR_KEYS, STATE_SEP, refuse_separator
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
 from .io.formats import output_kind
-from .io.optimizer_state import LIGHTNING_KEY, RECORD_KEYS, node_at, order_record, read_order, training_tree, \
+from .io.key_path import KeyPath, key_text, node_at
+from .io.optimizer_state import RECORD_KEYS, order_record, read_order, training_tree, without_optimizer, \
     written_optimizer
+from .key_order import KeyOrder, output_order, sort_keys, ties_of
 from .io.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
@@ -58,27 +65,45 @@ from .write import WriteReport, output_metadata
 
 
 def writes_training(checkpoint: Checkpoint, out) -> bool:
-    """Whether ``fuse`` writes ``checkpoint``'s whole training checkpoint to ``out``: a training
-    dict with an optimizer beside its model, written as a PyTorch file, or a Hugging Face
-    Trainer folder (``io.trainer_folder``) written as a folder (``trainer_output``)."""
+    """Whether ``out`` is ``checkpoint``'s container written whole: a training dict (the dict
+    around the state dict read, with or without an optimizer) written as a PyTorch file, or a
+    Hugging Face Trainer folder (``io.trainer_folder``) written as a folder (``trainer_output``).
+    Every entry of it is written then, only the model's tensors (and the optimizer's state with
+    them) changed."""
     training = checkpoint.training
-    if training is None or training.optimizer_key is None:
+    if training is None:
         return False
     kind = "folder" if isinstance(training, TrainerOptimizer) else "pytorch"
     return output_kind(os.fspath(out)) == kind
 
 
-def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
+def left_out(checkpoint: Checkpoint, shown: int = 8) -> list[str]:
+    """The entries of ``checkpoint``'s training dict beside its model's tensors (the top-level
+    keys other than the one holding the model; for a state dict at the top, its entries that are
+    not tensors), as text, the first ``shown`` of them: what an output holding only the model's
+    tensors leaves out."""
+    path = checkpoint.training.model_path
+    if path:
+        try:
+            tree = checkpoint.training.tree()
+        except CheckpointError:  # an entry the model-only output never reads is broken: not this note's to say
+            return []
+        names = [key_text((k,)) for k in tree if k != path[0]]
+    else:
+        names = list(checkpoint.ignored)
+    return [quote(n) for n in names[:shown]] + ([f"{len(names) - shown} more"] if len(names) > shown else [])
+
+
+def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: str, *, order: KeyOrder,
                    param_order_out: str | None = None, force: bool = False,
-                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = (),
-                   state_copied: bool = False) -> WriteReport:
+                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
     """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its
     training table) as its model and optimizer state, ``twins`` (``fusectl.twins``: the
-    model's copies after its plan) at their keys, ``recorded`` as its provenance, and the
-    parameter of each optimizer id in fusectl's record (``optimizer_state.order_record``: read
-    back, the output maps without being told its order). ``state_copied``: no step moves a
-    parameter (:func:`moves_state`), so ``table`` is the model's alone and the optimizer is
-    written as it was read, ids and record included, its mapping never needed.
+    model's copies after its plan) at their keys, in ``order`` (``key_order.keys_for``; a given
+    ``param_order_out`` orders the model's tensors too), ``order.recorded`` as its provenance,
+    and the parameter of each optimizer id in fusectl's record (``optimizer_state.order_record``:
+    read back, the output maps without being told its order). A plan that moves no parameter
+    (:func:`moves_state`) is written by :func:`write_container` instead: the optimizer as read.
 
     :raises PlanError: a parameter of a param group that ``param_order_out`` does not list, a
         name it lists that the fused model does not hold, a fused parameter whose parts have
@@ -86,18 +111,15 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, record
         that is not finite, a tensor whose name holds the state separator. Nothing is written then.
     """
     training = checkpoint.training
-    if state_copied:
-        model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
-        model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
-        root = training_tree(training.tree(), training.model_key, model, None, None, twin_entries(checkpoint, twins))
-        record = {k: v for k, v in checkpoint.metadata.items() if k in RECORD_KEYS}
-        return _write_tree(checkpoint, table, root, recorded, out, force, on_note, record, model_alone=True)
-    order = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
-    moved = moved_optimizer(checkpoint, table, plan, order=order, order_source=param_order_out)
-    root = training_tree(training.tree(), training.model_key, moved.model, training.optimizer_key, moved.optimizer,
+    given = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
+    moved = moved_optimizer(checkpoint, table, plan, order=given, order_source=param_order_out, preferred=order.names)
+    order = replace(order, names=list(moved.model))
+    model = model_dict(node_at(training.tree(), training.model_path), moved.model, plan,
+                       set(checkpoint.table.entries))
+    root = training_tree(training.tree(), training.model_path, model, training.optimizer_path, moved.optimizer,
                          twin_entries(checkpoint, twins))
     _check_whole(checkpoint, table, root)
-    return _write_tree(checkpoint, table, root, recorded, out, force, on_note, order_record(moved.names))
+    return _write_tree(checkpoint, table, root, order, out, force, on_note, order_record(moved.names))
 
 
 def moves_state(checkpoint: Checkpoint, plan: Plan) -> bool:
@@ -126,24 +148,79 @@ def _check_whole(checkpoint: Checkpoint, table: ParamTable, root) -> None:
                             "dict to write; nothing was written")
 
 
-def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tuple[str, dict]]:
-    """Each moved twin as (its key, the dict to write there): its tensors in the order the
-    model's are written (the twin's own order, a fused tensor where its first part was) under
-    its prefix, where its first tensor of the model stood; its other entries (an
+def write_container(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: str, *, order: KeyOrder,
+                    drop_optimizer: bool = False, force: bool = False,
+                    on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
+    """Write the training dict of ``checkpoint`` whole with ``table`` (what ``plan`` made of its
+    model) as its model, in ``order``, ``twins`` at their keys (as :func:`write_training`),
+    every other entry as it is: a dict without an optimizer (a Lightning checkpoint saved
+    without one keeps ``hparams``, ``epoch``, ``loops``; ``{model, step}`` its ``step``), or,
+    with ``drop_optimizer`` (``--drop-optimizer``), one whose optimizer is left out: the entry
+    at its key, or Lightning's ``optimizer_states`` with ``lr_schedulers``, as Lightning's
+    ``save_weights_only`` leaves them out. An optimizer kept is one no step moves
+    (:func:`moves_state`; ``convert``): written as it was read, ids and fusectl's record included,
+    its mapping never needed."""
+    training = checkpoint.training
+    kept = training.optimizer_path is not None and not drop_optimizer
+    names = [n for n in order.names if n in table.entries]
+    model = model_dict(node_at(training.tree(), training.model_path), {n: table.entries[n] for n in names}, plan,
+                       set(checkpoint.table.entries))
+    root = training_tree(training.tree(), training.model_path, model, None, None, twin_entries(checkpoint, twins))
+    if drop_optimizer and training.optimizer_path is not None:
+        root = without_optimizer(root, training.optimizer_path)
+    record = {k: v for k, v in checkpoint.metadata.items() if k in RECORD_KEYS} if kept else None
+    return _write_tree(checkpoint, table, root, order, out, force, on_note, record, model_alone=True)
+
+
+def model_dict(node: Mapping, tensors: Mapping[str, LazyTensor], plan: Plan, inputs: set[str],
+               prefix: str = "") -> dict:
+    """The state dict ``node`` as read (a dict of the tree) with its model tensors replaced by
+    ``tensors`` (output name → tensor, in the output's order, ``fusectl.key_order``): each entry
+    of ``node`` that is a tensor of the input's model (``inputs``, names after ``prefix``)
+    gives its place to what ``plan`` made of it, in that order; every other entry (a number, a
+    nested dict, a tensor the model does not hold) stays as and where it was. An unchanged name
+    keeps its key object (an integer key stays one); a dict its type."""
+    positions, keys, fixed = {}, {}, []
+    for place, (key, value) in enumerate(node.items()):
+        name = str(key)[len(prefix):] if type(key) in (str, int) and str(key).startswith(prefix) else None
+        if isinstance(value, LazyTensor) and name in inputs:
+            positions[name], keys[name] = place, key
+        else:
+            fixed.append(((place,), key, value))
+    names = list(tensors)
+    placed = sort_keys(positions, plan, names)
+    last: tuple = (-1,)
+    for k, name in enumerate(names):  # a name without a place (an alias the node did not list) after the one before
+        last = placed.setdefault(name, (*last, float("inf"), k))
+    items = sorted([(placed[n], True, n, None) for n in names] + [(p, False, k, v) for p, k, v in fixed],
+                   key=lambda item: item[0])
+    tensor_places = [i for i, item in enumerate(items) if item[1]]
+    for place, name in zip(tensor_places, names):  # the output's order among the places the tensors hold
+        items[place] = (None, True, name, None)
+    out = type(node)()
+    for _, is_tensor, key, value in items:
+        if is_tensor:
+            key, value = keys.get(key, prefix + key), tensors[key]
+        if key in out:
+            raise PlanError(f"{quote(str(key))}: the state dict would hold it twice (a tensor the plan made and an "
+                            "entry that is not one of the model's tensors); rename the rule's output")
+        out[key] = value
+    return out
+
+
+def twin_entries(checkpoint: Checkpoint, twins: Sequence[MovedTwin]) -> list[tuple[KeyPath, dict]]:
+    """Each moved twin as (its key path, the dict to write there): the dict as read with the
+    twin's tensors what the model's plan made of them (:func:`model_dict`; in the twin's own
+    order, a fused tensor where its first part was) under its prefix; its other entries (an
     ``AveragedModel``'s ``n_averaged``) where they stood."""
     out = []
     for moved in twins:
         twin = moved.twin
-        names, _, _ = _model_order(checkpoint, list(moved.table.entries), moved.plan, [],
-                                   positions=list(twin.tensors))
-        entries, placed = collections.OrderedDict(), False
-        for key in twin.order:
-            if key in twin.rest:
-                entries[key] = twin.rest[key]
-            elif not placed:
-                entries.update((twin.prefix + n, moved.table.entries[n]) for n in names)
-                placed = True
-        out.append((twin.where, entries))
+        table = moved.table
+        names = output_order(list(twin.tensors), moved.plan, list(table.entries), ties=ties_of(table.groups().values()))
+        node = node_at(checkpoint.training.tree(), twin.path)
+        out.append((twin.path, model_dict(node, {n: table.entries[n] for n in names}, moved.plan, set(twin.tensors),
+                                          twin.prefix)))
     return out
 
 
@@ -159,25 +236,33 @@ class MovedOptimizer:
 
 
 def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, order: list[str] | None = None,
-                    order_source=None, positions: list[str] | None = None) -> MovedOptimizer:
+                    order_source=None, positions: list[str] | None = None,
+                    preferred: Sequence[str] | None = None) -> MovedOptimizer:
     """The model and optimizer state ``table`` holds after ``plan`` (the state tensors moved with
     their parameters), the optimizer's ids renumbered 0..n-1 over its groups in the output order:
-    ``order`` where given (each group sorted by it; ``order_source`` names it in messages), else
-    each parameter where its first part stands in ``positions`` (default: the input optimizer's
-    own order, its ids' — what ``Optimizer.load_state_dict`` pairs with the model's parameters).
-    The model state dict keeps the checkpoint's order (``order`` first where given), each fused
-    tensor where its first part was.
+    ``order`` where given (each group sorted by it; ``order_source`` names it in messages; the
+    model's tensors take it too), else each parameter where its first part stands in
+    ``positions`` (default: the input optimizer's own order, its ids' — what
+    ``Optimizer.load_state_dict`` pairs with the model's parameters). The model state dict takes
+    the input's key order (``fusectl.key_order``), reordered by ``preferred`` (the output's key
+    order) among the places its names hold, each fused tensor where its first part was.
 
     :raises PlanError: see :func:`write_training`.
     """
     training = checkpoint.training
     state, mapping = checkpoint.optimizer_mapped
     model_names = [n for n in table.entries if STATE_SEP not in n]
-    model_order, origins, _ = _model_order(checkpoint, model_names, plan, order or [])
+    ties = ties_of(table.groups().values())
+    model_order = output_order(checkpoint.input_order(), plan, model_names, ties=ties,
+                               preferred=order if order is not None else preferred)
     model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
     if positions is None:
         positions = [mapping.names[p] for p in state.ids() if p in mapping.names]
-    optimizer_order, _, position = _model_order(checkpoint, model_names, plan, order or [], positions)
+    inputs = list(positions)  # the optimizer's ids in its own order, then every other name
+    listed = set(inputs)
+    inputs += [n for n in checkpoint.table.entries if n not in listed]
+    optimizer_order = output_order(inputs, plan, model_names, ties=ties, preferred=order)
+    origins, position = _origins(inputs, plan), {n: i for i, n in enumerate(inputs)}
 
     # each output parameter of the optimizer: the unique name, its group, its input ids
     group_of = {name: state.group_of(pid) for pid, name in mapping.names.items()}
@@ -216,74 +301,26 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     written_groups = [[(name, id_of[members[name][0]], members[name] == [name], state_of(name)) for name in group]
                       for group in groups]
     optimizer = training.tree() if isinstance(training, TrainerOptimizer) else \
-        node_at(training.tree(), training.optimizer_key)
+        node_at(training.tree(), training.optimizer_path)
     new_optimizer = written_optimizer(state, optimizer, written_groups)  # in the form it was read in
     return MovedOptimizer(model, new_optimizer, [n for group in groups for n in group])
 
 
-def write_without_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, recorded: Plan, out: str, *,
-                            force: bool = False, on_note: Callable[[str], None] | None = None,
-                            twins: Sequence[MovedTwin] = ()) -> WriteReport:
-    """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its model)
-    as its model, ``twins`` at their keys (as :func:`write_training`), and its optimizer left
-    out (``--drop-optimizer``): the entry at its optimizer
-    key, or Lightning's ``optimizer_states`` with ``lr_schedulers``, as Lightning's
-    ``save_weights_only`` leaves them out; every other entry kept. The model in the state dict's
-    order, each fused tensor where its first part was."""
-    training = checkpoint.training
-    model_order, _, _ = _model_order(checkpoint, list(table.entries), plan, [])
-    model = collections.OrderedDict((n, table.entries[n]) for n in model_order)
-    root = training_tree(training.tree(), training.model_key, model, None, None, twin_entries(checkpoint, twins))
-    parts = training.optimizer_key.split(".")
-    if len(parts) >= 2 and parts[-2] == LIGHTNING_KEY and parts[-1].isdigit():
-        root = _without(root, parts[:-2], {LIGHTNING_KEY, "lr_schedulers"})
-    else:
-        root = _without(root, parts[:-1], {parts[-1]})
-    return _write_tree(checkpoint, table, root, recorded, out, force, on_note, model_alone=True)
-
-
-def _without(tree, where: list[str], keys: set[str]):
-    """``tree`` with the entries ``keys`` of the dict at the dotted path ``where`` left out."""
-    if not where:
-        return {k: v for k, v in tree.items() if str(k) not in keys}
-    if isinstance(tree, (list, tuple)):
-        items = list(tree)
-        items[int(where[0])] = _without(items[int(where[0])], where[1:], keys)
-        return type(tree)(items)
-    return {k: (_without(v, where[1:], keys) if str(k) == where[0] else v) for k, v in tree.items()}
-
-
-def _model_order(checkpoint: Checkpoint, model_names: list[str], plan: Plan, order: list[str],
-                 positions: list[str] | None = None):
-    """(the output's model tensors in order, each model tensor's input names, each input name's
-    position): ``order`` first (a given parameter order orders the state dict as well), then
-    ``positions`` (default: the state dict's order), a fused tensor where its first part was."""
-    inputs = list(positions) if positions is not None else list(checkpoint.table.entries)
-    listed = set(inputs)
-    inputs += [n for n in checkpoint.table.entries if n not in listed]
-    origins = _origins(inputs, plan)
-    position = {n: i for i, n in enumerate(inputs)}
-
-    def first_part(name: str) -> int:
-        return min((position[p] for p in origins.get(name, {name}) if p in position), default=len(position))
-
-    rank = {n: i for i, n in enumerate(order)}
-    made_at = {n: i for i, n in enumerate(model_names)}
-    return sorted(model_names, key=lambda n: (rank.get(n, len(rank)), first_part(n), made_at[n])), origins, position
-
-
-def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, recorded: Plan, out: str, force: bool,
+def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder, out: str, force: bool,
                 on_note, record: Mapping[str, str] | None = None, model_alone: bool = False) -> WriteReport:
-    """Write the training tree ``root`` whose model is ``table``'s, ``recorded`` as its provenance,
-    ``record`` (``optimizer_state.order_record``) beside it. A tensor of the model whose name holds
-    the state separator is refused, in the input or, where ``table`` holds the model alone (the
-    optimizer written as read, or left out), in ``table``: it would read as an optimizer state,
-    its steps left out of the provenance."""
-    refuse_separator(checkpoint.table.entries, printable(checkpoint.path), CheckpointError)
-    if model_alone:
-        refuse_separator(table.entries, printable(out), remedy="give the rule's output another name")
+    """Write the training tree ``root`` whose model is ``table``'s, ``order.recorded`` as its
+    provenance (with ``order.record``), ``record`` (``optimizer_state.order_record``) beside it.
+    Where the input has an optimizer, a tensor of the model whose name holds the state separator
+    is refused, in the input or, where ``table`` holds the model alone (the optimizer written as
+    read, or left out), in ``table``: it would read as an optimizer state, its steps left out of
+    the provenance."""
+    if checkpoint.training.optimizer_path is not None:
+        refuse_separator(checkpoint.table.entries, printable(checkpoint.path), CheckpointError)
+        if model_alone:
+            refuse_separator(table.entries, printable(out), remedy="give the rule's output another name")
     model_table = model_only(table)
-    shard_metadata, index_metadata = output_metadata(model_table, recorded, checkpoint.metadata)
+    shard_metadata, index_metadata = output_metadata(model_table, order.recorded, checkpoint.metadata,
+                                                     order=order.record)
     metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata,
                 **(record or {})}
     written = {id(t): t for t in tree_tensors(root)}

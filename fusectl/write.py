@@ -1,7 +1,10 @@
 """Stream a table to disk: each tensor copied as file ranges or computed, written, freed.
 
-The table is what ``executor.run_plan`` made; tensors are written in the order their bytes
-come from the input, so reads are sequential, into shards cut by the policy below.
+The table is what ``executor.run_plan`` made; a format that lists its keys apart from their
+bytes (``Output.indexed``: safetensors, folders, PyTorch zips) gets the tensors in the order
+their bytes come from the input, so reads are sequential, and lists them in the output's key
+order (``fusectl.key_order``); the others are written in the key order. Shards are cut by the
+policy below.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .io.formats import output_format
 from .io.optimizer_state import RECORD_KEYS
 from .io.output import plan_shards
 from .io.provenance import METADATA_KEY, Provenance
+from .key_order import KeyOrder
 from .steps import Plan
 from .progress import Progress
 from .table import ParamTable
@@ -32,12 +36,14 @@ class WriteReport:
     written_bytes: int  # bytes of every tensor written (adopted ties stored twice count twice)
 
 
-def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str], lora_base: Plan | None = None):
-    """Per-file metadata (aliases in the save_model convention) and the provenance entry."""
+def output_metadata(table: ParamTable, plan: Plan, passthrough: Mapping[str, str], lora_base: Plan | None = None,
+                    order: Sequence[str] | None = None):
+    """Per-file metadata (aliases in the save_model convention) and the provenance entry
+    (``order``: the keys' order before the plan, where an unfuse needs it: ``key_order.KeyOrder``)."""
     unique = table.unique_names()
     written = {name for name, _ in table.written()}
     aliases = {alias: unique[alias] for group in table.ties() for alias in group if alias not in written}
-    provenance = Provenance(plan, aliases, lora_base).dumps()
+    provenance = Provenance(plan, aliases, lora_base, tuple(order) if order is not None else None).dumps()
 
     def shard_metadata(entries: Sequence[tuple[str, TensorSpec]]) -> dict[str, str]:
         names = {n for n, _ in entries}
@@ -64,30 +70,39 @@ def write_table(
     on_note: Callable[[str], None] | None = None,
     stem: str = "model",
     lora_base: Plan | None = None,
+    order: KeyOrder | None = None,
 ) -> WriteReport:
     """Write every unique parameter of ``table`` to ``out`` (atomically), computing lazily;
     tied members the input stored itself are written too (``ParamTable.written``).
 
-    Tensors are written in the order their bytes come from the input, so reads are sequential.
-    A folder output is cut into shards of ``max_shard_size``; when that is None, a sharded
-    input's shards are mirrored (each tensor goes with the input shard its bytes come from),
-    else one 5 GB cap applies.
+    ``order`` is the output's key order and what its provenance records of the input's
+    (``key_order.keys_for``; None: the names' order). Where the format lists its keys apart
+    from their bytes, tensors are written in the order their bytes come from the input, so
+    reads are sequential; else in the key order. A folder output is cut into shards of
+    ``max_shard_size``; when that is None, a sharded input's shards are mirrored (each tensor
+    goes with the input shard its bytes come from), else one 5 GB cap applies.
     """
     unique = table.written()
     sources = {name: source_of(tensor) for name, tensor in unique}
-    unique.sort(key=lambda item: _source_key(sources[item[0]]))
     output = output_format(out).output
+    if order is not None and not output.indexed:
+        rank = {n: i for i, n in enumerate(order.names)}
+        unique.sort(key=lambda item: rank.get(item[0], len(rank)))
+    else:
+        unique.sort(key=lambda item: _source_key(sources[item[0]]))
     if max_shard_size is not None and not output.folder:
         raise OutputError(f"{out}: {option_name('max_shard_size')} applies to folder outputs; drop it or write a folder")
     shards = _cut_shards(unique, sources, output.folder, max_shard_size)
     entry_shards = [[(name, tensor.spec) for name, tensor in shard] for shard in shards]
-    shard_metadata, index_metadata = output_metadata(table, plan, passthrough, lora_base)
+    shard_metadata, index_metadata = output_metadata(table, plan, passthrough, lora_base,
+                                                     order.record if order is not None else None)
     evaluation = Evaluation([t for _, t in unique])
     bar = Progress("writing", sum(t.spec.nbytes for _, t in unique), progress)
     copied = 0
     with atomic_output(out, force=force, inputs=inputs, on_note=on_note) as temp:
         writer = output.open(temp, entry_shards, shard_metadata, index_metadata,
-                             companions if output.folder else (), stem)
+                             companions if output.folder else (), stem,
+                             order=order.names if order is not None and output.indexed else None)
         try:
             for name, tensor in (item for shard in shards for item in shard):
                 ranges = tensor.byte_ranges()

@@ -8,7 +8,7 @@ An import may point only DOWN this list (a module may import its own level):
 4. steps
 5. rules/*, io/*, executor, followers/*; acyclic among themselves, io never imports onnx, and
    followers never import io (io detects the followers of the checkpoint it opens)
-6. planner, write, checkpoint_map
+6. planner, write, checkpoint_map, twins, key_order
 7. onnx/*, verification/* (verification may import onnx, never the reverse)
 8. api, inspection, reports, training_output, trainer_output
 9. cli, __init__, __main__
@@ -40,7 +40,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     3: ("ops", "ops.*"),
     4: ("steps",),
     5: ("rules", "rules.*", "io", "io.*", "executor", "followers", "followers.*"),
-    6: ("planner", "write", "checkpoint_map", "twins"),
+    6: ("planner", "write", "checkpoint_map", "twins", "key_order"),
     7: ("onnx", "onnx.*", "verification", "verification.*"),
     8: ("api", "inspection", "reports", "training_output", "trainer_output"),
     9: ("cli", "", "__main__"),

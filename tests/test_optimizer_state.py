@@ -67,10 +67,10 @@ def test_the_training_tree_keeps_every_other_entry_and_replaces_model_and_optimi
     ckpt = open_checkpoint(str(TORCH / "model-state.pt"))
     tree = ckpt.training.tree()
     assert tree["step"] == 7 and isinstance(tree["model_state"]["cnn.0.weight"], LazyTensor)
-    out = training_tree(tree, "model_state", {"x": 1}, "optimizer_state", optimizer_tree(ckpt.optimizer))
+    out = training_tree(tree, ("model_state",), {"x": 1}, ("optimizer_state",), optimizer_tree(ckpt.optimizer))
     assert out["model_state"] == {"x": 1} and out["step"] == 7 and tree["model_state"] != {"x": 1}
     assert parse_optimizer(out["optimizer_state"], "optimizer_state", "f").states.keys() == ckpt.optimizer.states.keys()
-    lightning = training_tree({"optimizer_states": [{"a": 1}], "state_dict": {}}, None, None, "optimizer_states.0", 5)
+    lightning = training_tree({"optimizer_states": [{"a": 1}], "state_dict": {}}, None, None, ("optimizer_states", 0), 5)
     assert lightning["optimizer_states"] == [5]
 
 

@@ -67,11 +67,9 @@ sys.argv = ["fusectl", "inspect", sys.argv[1]]
 try:
     main()
 finally:
-    # its own VmHWM: a forked child's ru_maxrss starts at the parent's peak (pytest's, over 1 GB
-    # once torch-based tests ran in it)
+    # this process's own peak (VmHWM): ru_maxrss keeps the peak of the process it was forked from
     with open("/proc/self/status") as status:
-        peak = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
-    print("peak_kb", peak, file=sys.stderr)
+        print("peak_kb", next(line.split()[1] for line in status if line.startswith("VmHWM:")), file=sys.stderr)
 """
 
 

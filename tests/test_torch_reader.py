@@ -142,18 +142,18 @@ def test_shared_storage_makes_aliases():
 def test_training_dict_key_selection():
     training = read_torch(str(fixture("training")))
     assert training.key == "model_state_dict"
-    assert training.candidates == {"model_state_dict": 23}
+    assert training.candidates == {("model_state_dict",): 23}
     assert read_torch(str(fixture("training")), "model_state_dict").tensors.keys() == training.tensors.keys()
     adam = read_torch(str(fixture("training")), "optimizer_state_dict.state.0")
     assert set(adam.tensors) == {"step", "exp_avg", "exp_avg_sq"} and adam.key == "optimizer_state_dict.state.0"
     assert read_torch(str(fixture("model-state"))).key == "model_state"
     assert read_torch(str(fixture("model-config"))).key == "model"
     nested = read_torch(str(fixture("nested")))
-    assert nested.key == "state.model" and nested.candidates == {"": 1, "state.model": 23}
+    assert nested.key == "state.model" and nested.candidates == {(): 1, ("state", "model"): 23}
     top = read_torch(str(fixture("nested")), "")
     assert top.key is None and list(top.tensors) == ["step"] and top.ignored == ["state", "meta"]
     mixed = read_torch(str(fixture("mixed")))
-    assert mixed.key is None and mixed.candidates == {"": 3, "sub": 1}
+    assert mixed.key is None and mixed.candidates == {(): 3, ("sub",): 1}
 
 
 def test_ambiguous_training_dict_lists_the_candidates(tmp_path):
@@ -546,7 +546,7 @@ def test_dict_cycles_are_walked_once(tmp_path):
     body = b"}q\x00(" + s("w") + tensor() + s("self") + b"h\x00" + s("again") + b"h\x00u"
     contents = read_torch(torch_zip(tmp_path / "m.pt", pkl(body)))
     assert list(contents.tensors) == ["w"] and contents.ignored == ["self", "again"]
-    assert contents.candidates == {"": 1}
+    assert contents.candidates == {(): 1}
     assert read_torch(torch_zip(tmp_path / "m.pt", pkl(body)), "self").key == "self"
 
 

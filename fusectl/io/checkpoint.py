@@ -63,6 +63,15 @@ class Checkpoint:
     training: Training | None = None
     param_order: str | None = None
     param_order_from_model: bool = False
+    # the names the input lists, in its order (a state dict's, a safetensors header's); empty:
+    # the table's order (``input_order``)
+    key_order: list[str] = field(default_factory=list)
+
+    def input_order(self) -> list[str]:
+        """The input's names in the order it lists them (``fusectl.key_order``): a state dict's
+        keys, tied names in their places; a safetensors header's; an index's shards in turn. A
+        tie from elsewhere (save_model metadata, a config) is not listed."""
+        return self.key_order or list(self.table.entries)
 
     @functools.cached_property
     def followers(self) -> Followers:
@@ -308,9 +317,10 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         k: v for k, v in metadata.items() if k != METADATA_KEY and k not in aliases
     }
     training = contents.training if contents.training is not None else trainer
+    listed = contents.order if contents.order is not None else [*stored, *contents.aliases]
     return Checkpoint(path, fmt.name, list(contents.files), table, passthrough, provenance, config, config_path,
                       companions, contents.state_dict_key, list(contents.ignored), training, param_order,
-                      param_order_from_model)
+                      param_order_from_model, key_order=[n for n in listed if n in table])
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 from ..tensors import LazyTensor
 
@@ -32,7 +32,9 @@ class Contents:
     optimizer beside the model, the whole tree for writing it back); None otherwise.
     ``config``: values for rules' ``config:`` vars that the checkpoint's own files supply (an
     MXNet export's RNN operator in its ``-symbol.json``), used where there is no config.json;
-    None: none.
+    None: none. ``order``: every name of ``tensors`` and ``aliases`` in the order the file lists
+    them (a state dict's, its tied names in their places), where that is not ``tensors``' order
+    followed by ``aliases``'; None: it is.
     """
 
     tensors: Mapping[str, LazyTensor]
@@ -44,6 +46,7 @@ class Contents:
     ignored: list[str] = field(default_factory=list)
     training: object = None
     config: Mapping[str, object] | None = None
+    order: Sequence[str] | None = None
 
     @property
     def optimizer(self):

@@ -72,8 +72,8 @@ def _lazy_writer(module: str, cls: str) -> Callable:
     """A file writer (``writer(path, entries, metadata)``) imported when first opened, as
     :func:`_lazy` imports a reader: PyTorch's writer loads PyTorch's reader (its dtype table)."""
 
-    def open_writer(path, entries, metadata):
-        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(path, entries, metadata)
+    def open_writer(path, entries, metadata, **order):
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(path, entries, metadata, **order)
 
     open_writer.__qualname__ = open_writer.__name__ = cls
     return open_writer
@@ -89,7 +89,7 @@ FORMATS: tuple[Format, ...] = (
     Format("safetensors-sharded", (INDEX_SUFFIX,), read_safetensors_index, folder_rank=0, listed_as=INDEX_SUFFIX,
            output=Output(FolderWriter, folder=True)),
     Format("npz", (".npz",), _lazy("npz_file", "read_npz"), folder_rank=2, listed_as=".npz",
-           output=Output(single_file(_lazy_writer("npz_file", "NpzWriter")))),
+           output=Output(single_file(_lazy_writer("npz_file", "NpzWriter")), indexed=False)),
     Format("pytorch", TORCH_SUFFIXES, _lazy("torch_file", "read_pytorch"), told_by=is_pytorch, folder_rank=4,
            listed_as=f"PyTorch ({', '.join(TORCH_SUFFIXES)}, *{TORCH_INDEX_SUFFIX})", takes_key=True,
            output=Output(single_file(_lazy_writer("torch_writer", "TorchWriter")))),
@@ -97,7 +97,7 @@ FORMATS: tuple[Format, ...] = (
     Format("onnx", (".onnx",), _lazy("onnx_file", "read_onnx")),
     # never picked in a folder: an export's folder holds PREFIX-symbol.json and one params file per epoch
     Format("mxnet", MXNET_SUFFIXES, _lazy("mxnet_params", "read_mxnet"), sniffed=is_mxnet,
-           output=Output(single_file(_lazy_writer("mxnet_params", "MXNetWriter")))),
+           output=Output(single_file(_lazy_writer("mxnet_params", "MXNetWriter")), indexed=False)),
 )
 
 # files of formats fusectl does not read that hold weights all the same

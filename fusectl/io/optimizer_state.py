@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 from ..errors import CheckpointError, option, printable, quote
 from ..followers.optimizer import SCALAR_KEYS, STATE_SEP, recognise
 from ..tensors import LazyTensor, TensorSpec
+from .key_path import KeyPath, key_text, node_at, replaced, without
 from .placement import SearchTooLarge, place, possible_positions
 
 # where an optimizer's state_dict sits beside the model's, in a training dict
@@ -450,39 +451,18 @@ def read_order(path: str) -> list[str]:
     return value
 
 
-def training_tree(root: object, model_key: str | None, model: object, optimizer_key: str | None,
-                  optimizer: object, others: Sequence[tuple[str, object]] = ()) -> object:
+def training_tree(root: object, model_key: KeyPath | None, model: object, optimizer_key: KeyPath | None,
+                  optimizer: object, others: Sequence[tuple[KeyPath, object]] = ()) -> object:
     """The training dict ``root`` (as read: dicts, lists, tuples, numbers, lazy tensors) with
     the entry at ``model_key`` replaced by ``model``, the one at ``optimizer_key`` by
-    ``optimizer`` and each of ``others`` (key, value: the model's twins) by its value (dotted
-    keys; Lightning's ``optimizer_states.0`` indexes the list); every other entry kept as it
-    is, for ``torch_writer.write_torch_file``."""
-    def put(tree, parts, value):
-        if not parts:
-            return value
-        head, rest = parts[0], parts[1:]
-        if isinstance(tree, (list, tuple)):
-            items = list(tree)
-            items[int(head)] = put(items[int(head)], rest, value)
-            return type(tree)(items)
-        copy = dict(tree)
-        match = next((k for k in copy if str(k) == head), head)
-        copy[match] = put(copy[match], rest, value)
-        return copy
+    ``optimizer`` and each of ``others`` (key, value: the model's twins) by its value (key
+    paths, ``io.key_path``; Lightning's ``("optimizer_states", 0)`` indexes the list); every
+    other entry kept as it is, for ``torch_writer.write_torch_file``."""
     out = root
     for key, value in ((model_key, model), (optimizer_key, optimizer), *others):
         if key is not None and value is not None:
-            out = put(out, key.split(".") if key else [], value)
+            out = replaced(out, key, value)
     return out
-
-
-def node_at(tree: object, key: str) -> object:
-    """The entry of ``tree`` at the dotted ``key`` (a list indexed by number)."""
-    node = tree
-    for part in key.split("."):
-        node = node[int(part)] if isinstance(node, (list, tuple)) else \
-            next(v for k, v in node.items() if str(k) == part)
-    return node
 
 
 def written_optimizer(state: OptimizerState, raw: Mapping, groups: Sequence[Sequence[tuple]]) -> dict:
@@ -617,14 +597,18 @@ def twin_keys(parent: Mapping, model_key: str) -> list[str]:
             isinstance(v, dict) and any(isinstance(t, LazyTensor) for t in v.values())]
 
 
-def is_twin_of(key: str, others: Sequence[str]) -> bool:
-    """Whether the dotted ``key`` names a twin key beside one of ``others`` (the same parent,
+def is_twin_of(key: KeyPath, others: Sequence[KeyPath]) -> bool:
+    """Whether the key path ``key`` names a twin key beside one of ``others`` (the same parent,
     one a model key): a file with a model and its EMA reads the model by default."""
-    parent, _, last = key.rpartition(".")
+    if not key:
+        return False
+    parent, last = key[:-1], key[-1]
     if last not in TWIN_KEYS:
         return False
     for other in others:
-        other_parent, _, other_last = other.rpartition(".")
+        if not other:
+            continue
+        other_parent, other_last = other[:-1], other[-1]
         if other != key and other_parent == parent and (other_last not in TWIN_KEYS or
                                                         (last, other_last) == ("current_model_state", "state_dict")):
             return True
@@ -633,21 +617,26 @@ def is_twin_of(key: str, others: Sequence[str]) -> bool:
 
 @dataclass(frozen=True)
 class Twin:
-    """A copy of the model beside it in a training dict (an EMA, an averaged model): ``where``
-    its dotted key, ``prefix`` what its names put before the model's (``"module."`` for an
+    """A copy of the model beside it in a training dict (an EMA, an averaged model): ``path``
+    its key path (``where`` as text), ``prefix`` what its names put before the model's (``"module."`` for an
     ``AveragedModel``; ``""``), ``tensors`` model name → its tensor (tied names share one),
     ``rest`` its other entries by their own keys (``n_averaged``, anything that is not one of
     the model's tensors), kept as they are, and ``order`` every key of the dict as read."""
 
-    where: str
+    path: KeyPath
     prefix: str
     tensors: dict
     rest: dict
     order: tuple
 
+    @property
+    def where(self) -> str:
+        """Its key path as dotted text (messages, reports)."""
+        return key_text(self.path)
+
     @classmethod
-    def read(cls, node: Mapping, where: str, model_names: set[str]) -> "Twin | None":
-        """The twin at ``where`` (``node``, the dict there), its names matched to the model's
+    def read(cls, node: Mapping, path: KeyPath, model_names: set[str]) -> "Twin | None":
+        """The twin at ``path`` (``node``, the dict there), its names matched to the model's
         (``model_names``: with every tied alias) with or without one of :data:`TWIN_PREFIXES`;
         None when it holds none of the model's tensors (a dict that is not a copy of the model)."""
         keys = [k for k, v in node.items() if type(k) is str and isinstance(v, LazyTensor)]
@@ -665,21 +654,33 @@ class Twin:
                 rest[k] = v
         if not tensors:
             return None
-        return cls(where, prefix, tensors, rest, tuple(node))
+        return cls(path, prefix, tensors, rest, tuple(node))
 
 
 class Training:
     """What a training dict holds beside the model's state dict: its whole tree (converted on
-    first use: every tensor a lazy tensor, checked against its storage), the optimizer's
-    state beside the model (``optimizer_key``; None when there is none) and the model's twins
-    (:meth:`twins`). A problem finding the optimizer (two of them) is kept in ``problem`` and
-    raised when the optimizer is asked for, so the model alone reads as before."""
+    first use: every tensor a lazy tensor, checked against its storage), the model's state dict
+    at ``model_path``, the optimizer's state beside it (``optimizer_path``; None when there is
+    none) — key paths of real keys (``io.key_path``), ``model_key`` and ``optimizer_key`` their
+    text — and the model's twins (:meth:`twins`). A problem finding the optimizer (two of them)
+    is kept in ``problem`` and raised when the optimizer is asked for, so the model alone reads
+    as before."""
 
-    def __init__(self, path: str, model_key: str | None, optimizer_key: str | None, convert,
+    def __init__(self, path: str, model_path: KeyPath | None, optimizer_path: KeyPath | None, convert,
                  problem: str | None = None):
-        self.path, self.model_key, self.optimizer_key = path, model_key, optimizer_key
+        self.path, self.model_path, self.optimizer_path = path, model_path, optimizer_path
         self._convert, self._tree, self.problem = convert, None, problem
         self._optimizer: OptimizerState | None = None
+
+    @property
+    def model_key(self) -> str | None:
+        """Where the model's state dict is, as dotted text (None: the model is not in the tree)."""
+        return key_text(self.model_path) if self.model_path is not None else None
+
+    @property
+    def optimizer_key(self) -> str | None:
+        """Where the optimizer's state is, as dotted text (None: there is none)."""
+        return key_text(self.optimizer_path) if self.optimizer_path is not None else None
 
     def tree(self) -> object:
         """The training dict as dicts, lists, tuples, numbers and lazy tensors (CheckpointError
@@ -692,36 +693,36 @@ class Training:
         """The optimizer's state beside the model (None: none), parsed on first use."""
         if self.problem:
             raise CheckpointError(self.problem)
-        if self.optimizer_key is None:
+        if self.optimizer_path is None:
             return None
         if self._optimizer is None:
-            node = node_at(self.tree(), self.optimizer_key)
+            node = node_at(self.tree(), self.optimizer_path)
             self._optimizer = parse_optimizer(node, self.optimizer_key, self.path)
         return self._optimizer
 
     def twins(self, model_names: set[str]) -> list[Twin]:
         """The copies of the model beside it (:func:`twin_keys`, :meth:`Twin.read`), in the
         dict's order; none for a model at the top of the file."""
-        if not self.model_key:
+        if not self.model_path:
             return []
-        prefix, _, last = self.model_key.rpartition(".")
-        parent = node_at(self.tree(), prefix) if prefix else self.tree()
+        prefix, last = self.model_path[:-1], self.model_path[-1]
+        parent = node_at(self.tree(), prefix)
         found = []
         for k in twin_keys(parent, last):
-            twin = Twin.read(parent[k], f"{prefix}.{k}" if prefix else k, model_names)
+            twin = Twin.read(parent[k], (*prefix, k), model_names)
             if twin is not None:
                 found.append(twin)
         return found
 
 
-def find_optimizer(parent: Mapping, prefix: str) -> tuple[str | None, str | None]:
-    """(the dotted key of the optimizer state in ``parent``, the dict at ``prefix`` that holds
+def find_optimizer(parent: Mapping, prefix: KeyPath) -> tuple[KeyPath | None, str | None]:
+    """(the key path of the optimizer state in ``parent``, the dict at ``prefix`` that holds
     the model's state dict, or a problem): an entry named as training code names it
     (:data:`OPTIMIZER_KEYS`) holding ``state`` and ``param_groups`` or flattened keys (one
     with only one of the two, or a malformed key, too: reading it says what is wrong, rather
     than the optimizer being left behind), or Lightning's ``optimizer_states`` list of one."""
-    def dotted(k: str) -> str:
-        return f"{prefix}.{k}" if prefix else k
+    def dotted(*keys) -> KeyPath:
+        return (*prefix, *keys)
     found = []
     for k, v in parent.items():
         if type(k) is not str:
@@ -730,9 +731,19 @@ def find_optimizer(parent: Mapping, prefix: str) -> tuple[str | None, str | None
             found.append(dotted(k))  # a malformed one too: reading it says what is wrong
         elif k == LIGHTNING_KEY and isinstance(v, (list, tuple)) and v:
             if len(v) > 1:
-                return None, (f"{quote(dotted(k))} holds {len(v)} optimizers; fusectl moves the state of "
+                return None, (f"{quote(key_text(dotted(k)))} holds {len(v)} optimizers; fusectl moves the state of "
                               "one optimizer")
-            found.append(dotted(f"{k}.0"))
+            found.append(dotted(k, 0))
     if len(found) > 1:
-        return None, f"holds two optimizer states, {quote(found[0])} and {quote(found[1])}; fusectl moves one"
+        return None, (f"holds two optimizer states, {quote(key_text(found[0]))} and {quote(key_text(found[1]))}; "
+                      "fusectl moves one")
     return (found[0] if found else None), None
+
+
+def without_optimizer(tree: object, path: KeyPath) -> object:
+    """The training dict ``tree`` without its optimizer at ``path``: the entry there, or
+    Lightning's ``optimizer_states`` with its ``lr_schedulers``, as Lightning's
+    ``save_weights_only`` leaves them out (what ``--drop-optimizer`` writes)."""
+    if len(path) >= 2 and path[-2] == LIGHTNING_KEY and type(path[-1]) is int:
+        return without(tree, path[:-2], {LIGHTNING_KEY, "lr_schedulers"})
+    return without(tree, path[:-1], {path[-1]})

@@ -35,30 +35,38 @@ class TensorWriter(Protocol):
 
 class OpenWriter(Protocol):
     """Opens an output at ``path``: ``shards`` are the entries cut into files (one for a
-    single-file output), ``shard_metadata(entries)`` gives each file's metadata,
-    ``index_metadata`` goes to every file (or to a sharded folder's index), ``companions`` are
-    copied into a folder, whose files are named after ``stem``."""
+    single-file output) in the order their bytes are laid, ``shard_metadata(entries)`` gives each
+    file's metadata, ``index_metadata`` goes to every file (or to a sharded folder's index),
+    ``companions`` are copied into a folder, whose files are named after ``stem``; ``order``
+    (an :attr:`Output.indexed` format's) is the order of the keys a loader sees, where it is
+    not the bytes' (``fusectl.key_order``)."""
 
     def __call__(self, path: str, shards: Sequence[Entries], shard_metadata: Callable[[Entries], dict[str, str]],
                  index_metadata: Mapping[str, str], companions: "Sequence[Companion]" = (),
-                 stem: str = "model") -> TensorWriter: ...
+                 stem: str = "model", order: Sequence[str] | None = None) -> TensorWriter: ...
 
 
 @dataclass(frozen=True)
 class Output:
     """How a format is written: ``open`` makes its writer; ``folder``: a folder output (cut into
-    shards, companions copied), which is what an output path no file output claims becomes."""
+    shards, companions copied), which is what an output path no file output claims becomes;
+    ``indexed``: the format lists its keys apart from their bytes (a safetensors header, a zip's
+    central directory), so the bytes may be laid in the order they are read and the keys listed
+    in the output's key order; else the bytes are written in the key order."""
 
     open: OpenWriter
     folder: bool = False
+    indexed: bool = True
 
 
-def single_file(writer: Callable[[str, Entries, Mapping[str, str]], TensorWriter]) -> OpenWriter:
-    """The opener of a one-file output that ``writer(path, entries, metadata)`` writes."""
+def single_file(writer: Callable[..., TensorWriter]) -> OpenWriter:
+    """The opener of a one-file output that ``writer(path, entries, metadata)`` writes (with
+    ``order=`` where the key order is not the entries')."""
 
-    def open_file(path, shards, shard_metadata, index_metadata, companions=(), stem="model"):
+    def open_file(path, shards, shard_metadata, index_metadata, companions=(), stem="model", order=None):
         (entries,) = shards
-        return writer(path, entries, {**shard_metadata(entries), **index_metadata})
+        metadata = {**shard_metadata(entries), **index_metadata}
+        return writer(path, entries, metadata) if order is None else writer(path, entries, metadata, order=order)
 
     return open_file
 
@@ -67,7 +75,8 @@ class FolderWriter:
     """A Hugging Face folder: ``model.safetensors``, or shards plus ``model.safetensors.index.json``."""
 
     def __init__(self, folder: str, shards: Sequence[Entries], shard_metadata: Callable[[Entries], dict[str, str]],
-                 index_metadata: Mapping[str, str], companions: "Sequence[Companion]" = (), stem: str = "model"):
+                 index_metadata: Mapping[str, str], companions: "Sequence[Companion]" = (), stem: str = "model",
+                 order: Sequence[str] | None = None):
         os.makedirs(folder)
         for companion in companions:
             target = os.path.join(folder, companion.relative)
@@ -92,11 +101,14 @@ class FolderWriter:
         else:
             files = [f"{stem}-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
             self._metas = [shard_metadata(s) for s in shards]
+            weight_map = {n: f for f, shard in zip(files, shards) for n, _ in shard}
+            listed = [n for n in order or () if n in weight_map]
             self._index = {
                 "metadata": {"total_size": self._total, **index_metadata},
-                "weight_map": {n: f for f, shard in zip(files, shards) for n, _ in shard},
+                "weight_map": {**{n: weight_map[n] for n in listed}, **weight_map},
             }
         self._files = files
+        self._order = order
         self._shards = shards
         self._where = {n: k for k, shard in enumerate(shards) for n, _ in shard}
         self._writer: SafetensorsWriter | None = None
@@ -109,7 +121,7 @@ class FolderWriter:
                 self._writer.close()
             self._current = k
             self._writer = SafetensorsWriter(
-                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]
+                os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k], self._order
             )
         self._writer.write(name, data)
 
@@ -117,7 +129,8 @@ class FolderWriter:
         if self._writer:
             self._writer.close()
         for k in range(self._current + 1, len(self._shards)):  # empty shards cannot occur
-            SafetensorsWriter(os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k]).close()
+            SafetensorsWriter(os.path.join(self._folder, self._files[k]), self._shards[k], self._metas[k],
+                              self._order).close()
         if self._index is not None:
             with open(os.path.join(self._folder, self._stem + INDEX_SUFFIX), "w") as f:
                 json.dump(self._index, f, indent=2)

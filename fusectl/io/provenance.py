@@ -32,6 +32,9 @@ class Provenance:
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> unique (stored) name
     # a LoRA adapter's: the plan on its base view (m.weight names) the steps were lifted from
     lora_base: Plan | None = None
+    # the keys before the plan's first step, in their order, where unfusing would not give that
+    # order back by itself (``fusectl.key_order``); None: unfusing gives it
+    order: tuple[str, ...] | None = None
 
     def to_json(self) -> dict:
         return {
@@ -40,6 +43,7 @@ class Provenance:
             "plan": plan_to_json(self.plan),
             "aliases": dict(sorted(self.aliases.items())),
             **({"lora_base": plan_to_json(self.lora_base)} if self.lora_base is not None else {}),
+            **({"order": list(self.order)} if self.order is not None else {}),
         }
 
     def dumps(self) -> str:
@@ -67,7 +71,8 @@ class Provenance:
                 f"{FORMAT_VERSION}; use the fusectl version that wrote it"
             )
         try:
-            _only_keys(doc, {"format_version", "fusectl_version", "plan", "aliases", "lora_base"}, "the record")
+            _only_keys(doc, {"format_version", "fusectl_version", "plan", "aliases", "lora_base", "order"},
+                       "the record")
             if not isinstance(doc.get("fusectl_version", ""), str):
                 raise _Invalid("fusectl_version must be a string")
             aliases = doc.get("aliases", {})
@@ -77,7 +82,8 @@ class Provenance:
                 _name(alias, "an alias")
                 _name(unique, f"the target of alias {quote(alias)}")
             lora_base = _plan(doc["lora_base"]) if "lora_base" in doc else None
-            return cls(_plan(doc.get("plan", _MISSING)), dict(aliases), lora_base)
+            order = _order(doc["order"]) if "order" in doc else None
+            return cls(_plan(doc.get("plan", _MISSING)), dict(aliases), lora_base, order)
         except _Invalid as e:
             raise _unreadable(where, str(e)) from e
 
@@ -121,6 +127,15 @@ def _name(value: object, what: str) -> str:
         raise _Invalid(f"{what} {quote(value[:80])} holds a lone UTF-16 surrogate, which is not text") from None
     _within("name-bytes", size, f"{what} {quote(value[:80])}")
     return value
+
+
+def _order(raw: object) -> tuple[str, ...]:
+    items = _list(raw, "order")
+    _within("tensors", len(items), "the recorded order")
+    names = tuple(_name(n, "a name of the recorded order") for n in items)
+    if len(set(names)) != len(names):
+        raise _Invalid("order names a tensor twice")
+    return names
 
 
 def _within(key: str, value: int, what: str) -> None:

@@ -276,34 +276,43 @@ class _DuplicateKey(Exception):
 _ENTRY_KEYS = ("dtype", "shape", "data_offsets")
 
 
-def header_bytes(entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]) -> bytes:
-    """The 8-byte length plus JSON header for tensors laid out back to back in this order."""
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
+def header_bytes(entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str],
+                 order: Sequence[str] | None = None) -> bytes:
+    """The 8-byte length plus JSON header for tensors laid out back to back in this order; the
+    header lists them in ``order`` (the output's key order, ``key_order``; names it does not
+    hold ignored, entries it does not list after the others), by default in the layout's."""
+    laid: dict[str, object] = {}
     offset = 0
     for name, spec in entries:
-        header[name] = {
+        laid[name] = {
             "dtype": spec.dtype.safetensors,
             "shape": list(spec.shape),
             "data_offsets": [offset, offset + spec.nbytes],
         }
         offset += spec.nbytes
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    for name in order or ():
+        if name in laid:
+            header[name] = laid[name]
+    for name, entry in laid.items():
+        header.setdefault(name, entry)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % ALIGNMENT)
     return struct.pack("<Q", len(raw)) + raw
 
 
 class SafetensorsWriter:
-    """Writes one safetensors file: header first, then tensors in the declared order."""
+    """Writes one safetensors file: header first (its keys in ``order``, by default the
+    entries'), then tensors in the declared order."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]):
+    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str],
+                 order: Sequence[str] | None = None):
         self.path = path
         self._pending = collections.deque(entries)
         # unbuffered: array writes and range copies go straight to the file, in order
         self._file: BinaryIO = open(path, "wb", buffering=0)
         self._writeback = Writeback(self._file.fileno())  # to disk while the rest is written
-        write_all(self._file.fileno(), header_bytes(entries, metadata), self._writeback)
+        write_all(self._file.fileno(), header_bytes(entries, metadata, order), self._writeback)
         # consecutive file ranges are merged into one copy (fewer, larger reads)
         self._ranges: list[ByteRange] = []
 

@@ -50,6 +50,7 @@ protocol 2 writes ``bytes``; latin-1 only).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -68,6 +69,7 @@ from ..errors import CheckpointError, option_name, printable, quote
 from ..limits import check_limit, limit
 from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
 from .contents import Contents
+from .key_path import KeyPath, key_repr, key_text, resolve
 from .npz_file import string_map
 from .optimizer_state import Training, find_optimizer, is_optimizer_dict, is_twin_of
 from .pickle_scan import Builds, NeedMore, call_bytes, scan
@@ -96,9 +98,11 @@ class TorchContents:
     aliases: dict[str, str]  # name → the kept name it shares storage with (same offset, shape, strides, dtype)
     key: str | None  # dotted key of the state dict chosen inside the file's object (None: the top level)
     ignored: list[str]  # names of entries of the chosen state dict that are not tensors
-    candidates: dict[str, int]  # dotted key ("" = top level) → tensor count, of every dict of tensors considered
-    training: Training | None = None  # a training dict's other parts (None: the state dict is the top level)
+    candidates: dict[KeyPath, int]  # key path (() = top level) → tensor count, of every dict of tensors considered
+    training: Training | None = None  # the container around the state dict (None: a top-level state dict alone)
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # fusectl's record (METADATA_RECORD)
+    # every name of tensors and aliases in the state dict's order (None: tensors', then aliases')
+    order: list[str] | None = None
 
 
 def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
@@ -108,7 +112,7 @@ def read_pytorch(path: str, key: str | None = None, check_link: Callable[[str], 
     check_pytorch(path)
     found = read_torch(path, key)
     return Contents(found.tensors, [path], found.metadata, found.metadata.get(METADATA_KEY), aliases=found.aliases,
-                    state_dict_key=found.key, ignored=found.ignored, training=found.training)
+                    state_dict_key=found.key, ignored=found.ignored, training=found.training, order=found.order)
 
 
 def read_pytorch_index(path: str, key: str | None = None,
@@ -769,8 +773,8 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
     found = _find_dicts(archive.root, where)
     candidates = found.candidates
     if key is None:
-        if found.weighty.get(""):
-            pool = [""]  # a state dict at the top level; dicts of tensors inside it are ignored entries
+        if found.weighty.get(()):
+            pool = [()]  # a state dict at the top level; dicts of tensors inside it are ignored entries
         else:
             pool = [k for k in candidates if found.weighty[k]] or list(candidates)
             pool = [k for k in pool if not is_twin_of(k, pool)]  # a model's EMA beside it: the model
@@ -782,23 +786,30 @@ def _contents(path: str, archive: _Archive, key: str | None) -> TorchContents:
         if len(pool) > 1:
             raise CheckpointError(f"{where}: holds several dicts of tensors: {_listed(pool, candidates)}; pass {option_name('key')} "
                                   "with the dotted key of the state dict to read")
-        key = pool[0]
-    elif key not in found.dicts or not any(isinstance(v, _View) for v in found.dicts[key].values()):
-        what = "is not a dict of tensors" if key in found.dicts else "does not exist"
-        raise CheckpointError(f"{where}: key {quote(key[:200])} {what}; the dicts of tensors are: "
-                              f"{_listed(list(candidates), candidates) or 'none'}")
-    tensors, aliases, ignored = _state_dict(path, archive, found.dicts[key])
-    return TorchContents(tensors, aliases, key or None, ignored, candidates, _training(path, archive, found, key),
-                         archive.metadata)
+        chosen = pool[0]
+    else:  # the user's dotted text, matched against the real keys (a text two of them print as is refused)
+        chosen = resolve(key, [p for p, d in found.dicts.items() if any(isinstance(v, _View) for v in d.values())],
+                         where)
+        if chosen is None:
+            what = "is not a dict of tensors" if any(key_text(p) == key for p in found.dicts) else "does not exist"
+            raise CheckpointError(f"{where}: key {quote(key[:200])} {what}; the dicts of tensors are: "
+                                  f"{_listed(list(candidates), candidates) or 'none'}")
+    state = found.dicts[chosen]
+    tensors, aliases, ignored = _state_dict(path, archive, state)
+    # a tied name where the state dict holds it (a model's lm_head.weight last, not beside its embedding)
+    order = [str(k) for k, v in state.items() if type(k) in (str, int) and isinstance(v, _View)] if aliases else None
+    # a top-level state dict that holds other entries is its own container: written whole, they stay
+    training = _training(path, archive, found, chosen) if chosen or ignored else None
+    return TorchContents(tensors, aliases, key_text(chosen) or None, ignored, candidates, training,
+                         archive.metadata, order)
 
 
-def _training(path: str, archive: _Archive, found: "_Dicts", key: str) -> Training | None:
-    """The training dict around the state dict at ``key`` (None for a top-level state dict):
-    the optimizer beside it, and the whole tree, converted when asked for."""
-    if not key:
-        return None
-    prefix = key.rpartition(".")[0]
-    parent = found.dicts.get(prefix)
+def _training(path: str, archive: _Archive, found: "_Dicts", key: KeyPath) -> Training:
+    """The training dict around the state dict at ``key`` (a top-level state dict with other
+    entries: the file itself): the optimizer beside it, and the whole tree, converted when asked
+    for."""
+    prefix = key[:-1]
+    parent = found.dicts.get(prefix) if key else None
     optimizer_key, problem = find_optimizer(parent, prefix) if parent is not None else (None, None)
     where = printable(path)
     return Training(path, key, optimizer_key, lambda: _lazy_tree(path, archive, archive.root),
@@ -806,8 +817,10 @@ def _training(path: str, archive: _Archive, found: "_Dicts", key: str) -> Traini
 
 
 def _lazy_tree(path: str, archive: _Archive, root: object) -> object:
-    """``root`` with each tensor a lazy tensor (checked against its storage) and each dict a
-    plain dict; other values as unpickled. A value reached twice is converted once."""
+    """``root`` with each tensor a lazy tensor (checked against its storage), each
+    ``OrderedDict`` a ``collections.OrderedDict`` and each other dict a plain dict (so that a
+    container written back keeps its types); other values as unpickled. A value reached twice is
+    converted once."""
     specs: dict = {}
     dims = limit("dims")
     memo: dict[int, object] = {}
@@ -819,7 +832,7 @@ def _lazy_tree(path: str, archive: _Archive, root: object) -> object:
         if isinstance(value, _View):
             out = _tensor(path, dotted, value, archive, specs, dims)[0]
         elif isinstance(value, dict):
-            out = {}
+            out = collections.OrderedDict() if isinstance(value, _OrderedDict) else {}
             memo[id(value)] = out
             for k, v in value.items():
                 out[k] = convert(v, f"{dotted}.{k}" if dotted else str(k))
@@ -837,8 +850,13 @@ def _lazy_tree(path: str, archive: _Archive, root: object) -> object:
     return convert(root, "")
 
 
-def _listed(keys: list[str], candidates: dict[str, int]) -> str:
-    shown = ", ".join(f"{_key_text(k)} ({candidates[k]} tensors)" for k in keys[:_SHOWN_CANDIDATES])
+def _listed(keys: list[KeyPath], candidates: dict[KeyPath, int]) -> str:
+    texts = [key_text(k) for k in candidates]
+    alike = {t for t in texts if texts.count(t) > 1} if len(set(texts)) < len(texts) else set()
+
+    def shown_key(k: KeyPath) -> str:  # keys that print alike are shown as the keys they are
+        return key_repr(k) + " (prints alike another)" if key_text(k) in alike else _key_text(k)
+    shown = ", ".join(f"{shown_key(k)} ({candidates[k]} tensors)" for k in keys[:_SHOWN_CANDIDATES])
     return shown + (f" and {len(keys) - _SHOWN_CANDIDATES} more" if len(keys) > _SHOWN_CANDIDATES else "")
 
 
@@ -849,15 +867,15 @@ def _describe(value: object) -> str:
                                                                  f"a {type(value).__name__}")
 
 
-def _key_text(key: str) -> str:
-    return quote(key) if key else "the top level"
+def _key_text(key: KeyPath) -> str:
+    return quote(key_text(key)) if key else "the top level"
 
 
 @dataclass
 class _Dicts:
-    dicts: dict[str, dict]  # every dict reachable through dicts, by dotted key ("" for the top level)
-    candidates: dict[str, int]  # those that hold tensors (optimizer state left out) → tensor count
-    weighty: dict[str, bool]  # candidate → whether it holds a tensor of one dimension or more
+    dicts: dict[KeyPath, dict]  # every dict reachable through dicts, by key path (() for the top level)
+    candidates: dict[KeyPath, int]  # those that hold tensors (optimizer state left out) → tensor count
+    weighty: dict[KeyPath, bool]  # candidate → whether it holds a tensor of one dimension or more
     optimizer_tensors: bool  # whether optimizer state (left out) holds tensors
 
 
@@ -869,28 +887,26 @@ def _find_dicts(root: object, where: str) -> _Dicts:
         return found
     depth_budget = limit("pickle-depth")
     seen: set[int] = set()
-    todo = [("", root, 0, False)]
+    todo = [((), root, 0, False)]
     while todo:
-        dotted, d, depth, optimizer = todo.pop()
-        found.dicts.setdefault(dotted, d)
+        at, d, depth, optimizer = todo.pop()
+        found.dicts.setdefault(at, d)
         if id(d) in seen:
             continue
         seen.add(id(d))
         if depth > depth_budget:
-            check_limit("pickle-depth", depth, f"{where}: dicts nested under {quote(dotted[:200])}")
+            check_limit("pickle-depth", depth, f"{where}: dicts nested under {quote(key_text(at)[:200])}")
         optimizer = optimizer or is_optimizer_dict(d)
         views = [v for v in d.values() if isinstance(v, _View)]
         if views and optimizer:
             found.optimizer_tensors = True
         elif views:
-            found.candidates[dotted] = len(views)
-            found.weighty[dotted] = any(type(v.size) in (tuple, list) and len(v.size) > 0 for v in views)
+            found.candidates[at] = len(views)
+            found.weighty[at] = any(type(v.size) in (tuple, list) and len(v.size) > 0 for v in views)
         children = []
         for k, v in d.items():
             if isinstance(v, dict) and type(k) in (str, int):
-                segment = str(k)
-                child = f"{dotted}.{segment}" if dotted else segment
-                children.append((child, v, depth + 1, optimizer or "optim" in segment.lower()))
+                children.append(((*at, k), v, depth + 1, optimizer or "optim" in str(k).lower()))
         todo.extend(reversed(children))
     return found
 

@@ -10,7 +10,9 @@ torch.save (2.x) writes, record for record:
   ``_rebuild_tensor_v3`` on an ``UntypedStorage`` with the dtype named — as torch.save does;
 - ``.format_version`` ("1"), ``.storage_alignment`` ("64"), ``byteorder`` ("little": every
   storage is written little-endian), ``data/<key>`` (one storage per tensor object: keys
-  "0", "1", … in the order the pickle first meets them, records in that order), ``version``
+  "0", "1", … in the order the pickle first meets them, records in that order — a state dict
+  written through :class:`TorchWriter` lays them in the order its tensors' bytes come instead,
+  the central directory naming each), ``version``
   ("3"), ``.data/serialization_id``;
 - fusectl's own record, ``<name>/fusectl_metadata.json`` (a JSON object of strings: the
   metadata a safetensors output keeps in its header, fusectl's provenance included), only
@@ -22,8 +24,10 @@ Every record is stored (ZIP_STORED) with its data aligned to 64 bytes (a ``FB`` 
 storage streams from its source's byte ranges (or its computed array) through one reused
 buffer, its CRC taken on the way; nothing holds the whole checkpoint in memory. Archives past
 4 GiB carry zip64 fields as miniz writes them. A file written here equals what torch.save
-writes for the same object byte for byte, except the serialization id, which fusectl derives
-from the pickle (torch's is random), so that the same input gives the same file.
+writes for the same object byte for byte (its records in the pickle's order), except the
+serialization id, which fusectl derives from the pickle (torch's is random), so that the same
+input gives the same file. Sets, frozensets, complex numbers and bytes, which the reader's
+allow-list reads back, are pickled as Python's pickler reduces them.
 """
 
 from __future__ import annotations
@@ -93,25 +97,37 @@ def write_torch_file(path: str, root: object, *, on_progress: Progress | None = 
 class TorchWriter:
     """The ``pytorch`` row's output (:data:`fusectl.io.formats.FORMATS`): a state dict — a
     ``collections.OrderedDict`` of name → tensor, as ``torch.save(model.state_dict())`` writes
-    it — with the tensors in the declared order. An alias in ``metadata`` (the save_model
-    convention: ``{alias: kept}``) follows its kept tensor as a second tensor on the same
-    storage, as a state dict holds a tied parameter twice. The metadata goes to fusectl's record."""
+    it — its keys in ``order`` (the output's key order, ``fusectl.key_order``; by default the
+    entries'), the records of the tensors' bytes in the order the entries are written (the
+    zip's central directory finds each by name). An alias in ``metadata`` (the save_model
+    convention: ``{alias: kept}``) is a second tensor on its kept tensor's storage, as a state
+    dict holds a tied parameter twice: where ``order`` lists it, else right after its kept
+    tensor. The metadata goes to fusectl's record."""
 
-    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str]):
+    def __init__(self, path: str, entries: Sequence[tuple[str, TensorSpec]], metadata: Mapping[str, str],
+                 order: Sequence[str] | None = None):
         self.path = path
         aliases = aliases_from_metadata(metadata, [n for n, _ in entries])
+        slots = {name: _Slot(spec) for name, spec in entries}
+        keys = [n for n in order or () if n in slots or n in aliases]
+        listed = set(keys)
+        keys += [n for n in slots if n not in listed]
+        listed = set(keys)
         followers: dict[str, list[str]] = {}
         for alias, kept in aliases.items():
-            followers.setdefault(kept, []).append(alias)
-        slots = [_Slot(spec) for _, spec in entries]
+            if alias not in listed:
+                followers.setdefault(kept, []).append(alias)
         state = collections.OrderedDict()
-        for (name, _), slot in zip(entries, slots):
-            state[name] = slot
-            for alias in followers.get(name, ()):
-                state[alias] = _Alias(slot)
+        for name in keys:
+            if name in slots:
+                state[name] = slots[name]
+                state.update((alias, _Alias(slots[name])) for alias in followers.get(name, ()))
+            else:
+                state[name] = _Alias(slots[aliases[name]])
         pickler = _Pickler(path)
         pickled = pickler.dump(state)
-        self._pending = collections.deque(zip((n for n, _ in entries), slots))
+        self._keys = pickler.keys  # each slot's storage key, in the pickle's order, as torch.save numbers them
+        self._pending = collections.deque((n, slots[n]) for n, _ in entries)
         self._metadata = dict(metadata)
         self._archive = _Archive(path, _archive_name(path))
         self._archive.start(pickled)
@@ -120,7 +136,7 @@ class TorchWriter:
         expected, slot = self._pending.popleft()
         if name != expected:
             raise InternalError(f"{self.path}: the writer expected {expected!r} next, got {name!r}")
-        self._archive.storage(slot.spec, data, name)
+        self._archive.storage(slot.spec, data, name, key=self._keys[id(slot)])
 
     def close(self) -> None:
         if self._pending:
@@ -248,6 +264,8 @@ class _Pickler:
         elif kind is str:
             self.text(obj)
             self.memoize(obj)
+        elif kind in (set, frozenset, complex, bytes):
+            self.reduced(obj, where)
         elif kind is tuple:
             self.tuple_(obj, where)
         elif kind is list:
@@ -260,7 +278,30 @@ class _Pickler:
             self.tensor(obj, where)
         else:
             raise OutputError(f"{self.path}: {where} is a {kind.__name__}, which fusectl does not write to a PyTorch "
-                              "file (it writes dicts, lists, tuples, strings, numbers, booleans, None and tensors)")
+                              "file (it writes dicts, lists, tuples, sets, strings, bytes, numbers, booleans, None "
+                              "and tensors)")
+
+    def reduced(self, obj: set | frozenset | complex | bytes, where: str) -> None:
+        """A set, frozenset, complex number or bytes, as protocol 2 reduces it (what the reader's
+        allow-list reads back): ``set(list)``, ``complex(real, imag)``, ``_codecs.encode(text,
+        'latin1')``."""
+        if type(obj) is bytes:
+            self.global_("_codecs", "encode")
+            self.text(obj.decode("latin1"))
+            self.put()
+            self.constant("latin1")
+        elif type(obj) is complex:
+            self.global_("__builtin__", "complex")
+            self.out += b"G" + struct.pack(">d", obj.real) + b"G" + struct.pack(">d", obj.imag)
+        else:
+            self.global_("__builtin__", type(obj).__name__)
+            self.out += _EMPTY_LIST
+            self.put()
+            self.items(list(obj), where)
+        self.out += _TUPLE_N[1 if type(obj) in (set, frozenset) else 2]
+        self.put()
+        self.out += _REDUCE
+        self.memoize(obj)
 
     def tuple_(self, obj: tuple, where: str) -> None:
         if not obj:
@@ -451,9 +492,13 @@ class _Archive:
         self.record(".storage_alignment", str(ALIGNMENT).encode())
         self.record("byteorder", b"little")
 
-    def storage(self, spec: TensorSpec, data: np.ndarray | tuple[ByteRange, ...], name: str | None = None) -> None:
-        key = str(self._keys)
-        self._keys += 1
+    def storage(self, spec: TensorSpec, data: np.ndarray | tuple[ByteRange, ...], name: str | None = None,
+                key: str | None = None) -> None:
+        """The next storage record: ``data/<key>`` (by default the next number, when records come
+        in the pickle's order)."""
+        if key is None:
+            key = str(self._keys)
+            self._keys += 1
         if isinstance(data, np.ndarray):
             if data.dtype.byteorder == ">" and data.dtype.newbyteorder("=") == spec.dtype.numpy:
                 data = data.astype(spec.dtype.numpy)  # the same numbers, little-endian: byteorder says so

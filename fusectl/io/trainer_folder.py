@@ -50,15 +50,20 @@ def is_training_state(name: str) -> bool:
 
 class TrainerOptimizer(Training):
     """The optimizer state of a Trainer folder: its optimizer file as a :class:`Training` whose
-    tree is the optimizer's ``state_dict()`` itself (``model_key`` None: the model is the
-    folder's weights; ``optimizer_key`` the file's name, as messages and ``inspect`` show where
-    the state is). ``file`` is the file's path; ``record`` fusectl's record in it, read with
-    the tree."""
+    tree is the optimizer's ``state_dict()`` itself (``model_path`` None: the model is the
+    folder's weights; ``optimizer_path`` the root of the tree, ``optimizer_key`` the file's name,
+    as messages and ``inspect`` show where the state is). ``file`` is the file's path; ``record``
+    fusectl's record in it, read with the tree."""
 
     def __init__(self, folder: str, file: str):
         self.file = file
         self._record: dict[str, str] | None = None
-        super().__init__(folder, None, os.path.basename(file), self._read)
+        super().__init__(folder, None, (), self._read)
+
+    @property
+    def optimizer_key(self) -> str:
+        """The optimizer file's name (where the state is, in messages and ``inspect``)."""
+        return os.path.basename(self.file)
 
     def _read(self) -> object:
         from .torch_file import read_torch_tree  # PyTorch's reader: only when the optimizer is asked for

@@ -11,7 +11,9 @@
    consistent its steps and data are with each other;
 6. a training checkpoint's optimizer state: the plan's steps lifted to the reference's state,
    each state tensor compared as in 1 (kind ``state``), the parameters, param groups and
-   numbers checked (``optimizer_check``).
+   numbers checked (``optimizer_check``); its copies of the model (``twin_check``); every other
+   entry of a training dict, and every file a Trainer folder carries unchanged, equal
+   (``container_check``, kinds ``entry`` and ``file``).
 
 1 and 2 (the byte comparisons, which read the most and mostly wait on memory with the GIL
 released) run on a thread while 3 to 6 run: the report is the same as when they run in turn,
@@ -159,6 +161,7 @@ def verify_checkpoints(
         # what runs beside the comparison is imported once it has started (the rule language,
         # the probes, onnxruntime): the comparison starts that much sooner
         from .adapter_probes import adapter_probes
+        from .container_check import container_checks  # a training checkpoint's other entries
         from .optimizer_check import optimizer_replay
         from .probes import run_probes
         from .rule_check import rule_checks
@@ -171,6 +174,7 @@ def verify_checkpoints(
                 later += compare_tables("state", *replay.tables, atol, rtol)
             later += replay.checks
         later += twin_checks(reference, candidate, plan, atol, rtol)
+        later += container_checks(reference, candidate, plan)
         if recorded:
             later += rule_checks(reference, plan, adapter=lora_base is not None)
         probe_checks, chosen = run_probes(plan, reference.table, candidate.table, provider, seed, atol, rtol,

@@ -24,10 +24,10 @@ def twin_checks(reference: Checkpoint, candidate: Checkpoint, plan: Plan, atol: 
     """The checks of the candidate's twins against ``plan`` replayed on the reference's."""
     from .checkpoint_check import compare_tables  # it calls this module: imported when run
 
-    mine = {t.where: t for t in candidate.twins}
+    mine = {t.path: t for t in candidate.twins}
     checks = []
     for twin in reference.twins:
-        theirs = mine.pop(twin.where, None)
+        theirs = mine.pop(twin.path, None)
         if theirs is None:
             checks.append(Check("twin", twin.where, False, detail="missing from the candidate"))
             continue
