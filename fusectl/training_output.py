@@ -118,7 +118,6 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: s
                        set(checkpoint.table.entries))
     root = training_tree(training.tree(), training.model_path, model, training.optimizer_path, moved.optimizer,
                          twin_entries(checkpoint, twins))
-    _check_whole(checkpoint, table, root)
     return _write_tree(checkpoint, table, root, order, out, force, on_note, order_record(moved.names))
 
 
@@ -313,11 +312,12 @@ def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder
     Where the input has an optimizer, a tensor of the model whose name holds the state separator
     is refused, in the input or, where ``table`` holds the model alone (the optimizer written as
     read, or left out), in ``table``: it would read as an optimizer state, its steps left out of
-    the provenance."""
+    the provenance. Every tensor of ``table`` must be in ``root`` (:func:`_check_whole`)."""
     if checkpoint.training.optimizer_path is not None:
         refuse_separator(checkpoint.table.entries, printable(checkpoint.path), CheckpointError)
         if model_alone:
             refuse_separator(table.entries, printable(out), remedy="give the rule's output another name")
+    _check_whole(checkpoint, table, root)
     model_table = model_only(table)
     shard_metadata, index_metadata = output_metadata(model_table, order.recorded, checkpoint.metadata,
                                                      order=order.record)

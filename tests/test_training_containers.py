@@ -27,7 +27,7 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli
-from fusectl import dtypes
+from fusectl import dtypes, training_output
 from fusectl.io.torch_file import read_torch_tree
 from fusectl.io.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
@@ -128,6 +128,30 @@ def test_without_its_optimizer_a_training_dict_still_drops_only_the_optimizer(tm
     before, after = tree_of(TRAINING / "llama-adamw.pt"), tree_of(out)
     assert list(after) == [k for k in before if k != "optimizer_state_dict"]
     assert tree_differences({k: before[k] for k in after}, after) == []
+
+
+@pytest.mark.parametrize("command", ["convert", "fuse"])
+def test_a_tensor_missing_from_the_dict_to_write_is_a_bug_and_nothing_is_written(tmp_path, monkeypatch, command):
+    # a model tensor that did not reach the tree: exit 70, never an output short of it (with or
+    # without an optimizer: write_container and write_training share the check)
+    out = tmp_path / "out.pt"
+    if command == "convert":
+        src = tmp_path / "m.pt"
+        model_step(src)
+        args = ["convert", src]
+    else:
+        args = ["fuse", TRAINING / "llama-adamw.pt", *RULES, *CONFIG]
+    made = training_output.model_dict
+
+    def losing_one(*given, **kwargs):
+        node = made(*given, **kwargs)
+        node.pop(next(k for k in reversed(node) if isinstance(node[k], LazyTensor)))
+        return node
+
+    monkeypatch.setattr(training_output, "model_dict", losing_one)
+    result = run_cli(*args, "-o", out)
+    assert result.exit_code == 70 and "is not in the training dict to write" in result.stderr
+    assert not out.exists() and not list(tmp_path.glob(".*fusectl-tmp*"))
 
 
 @pytest.mark.parametrize("make", [lightning_weights_only, model_step])
