@@ -109,11 +109,12 @@ def _configured(spec: Limit) -> int:
 
 
 def check_limit(key: str, value: int, where: str, error: type[FusectlError] = CheckpointError) -> None:
-    """Raise ``error`` naming ``where`` when ``value`` exceeds the budget for ``key``."""
+    """Raise ``error`` naming ``where`` when ``value`` exceeds the budget for ``key``: naming the
+    variable that raises it, or, past what the library can hold (``Limit.ceiling``), the library."""
     budget = limit(key)
     if value > budget:
         spec = LIMITS[key]
-        if budget < _configured(spec):  # the ceiling bound, not the budget
+        if spec.ceiling is not None and value > spec.ceiling()[0]:  # no budget would let it through
             raise error(f"{where}: {value} {spec.what}, but {spec.ceiling()[1]}")
         raise error(
             f"{where}: {value} {spec.what} exceeds fusectl's limit of {budget}; if the file is "

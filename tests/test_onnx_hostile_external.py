@@ -114,7 +114,7 @@ HOSTILE = {
     "negative-dims-external": (lambda d: _external_dims(d, [-2, -2]), ["shape [-2, -2] has a negative dimension"]),
     "huge-dims": (lambda d: _embedded(d, [2**62, 2**62], raw=b""), ["too large to be stored"]),
     "huge-dims-beside-zero": (lambda d: _embedded(d, [0, 2**62, 2**62], raw=b""), ["too large to be stored"]),
-    "too-many-dims": (lambda d: _embedded(d, [1] * 100, raw=W.tobytes()[:4]), ["100 dimensions", "FUSECTL_MAX_DIMS"]),
+    "too-many-dims": (lambda d: _embedded(d, [1] * 100, raw=W.tobytes()[:4]), ["100 dimensions of one tensor, but numpy"]),
     "short-raw-data": (lambda d: _embedded(d, [4, 4], raw=W.tobytes()),
                        ["holds 16 bytes of data, but shape [4, 4] of FLOAT needs 64"]),
     "short-float-data": (lambda d: _embedded(d, [4, 4], float_data=[0.0] * 4),
