@@ -12,7 +12,9 @@ True
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import CheckpointError, FusectlError
@@ -29,11 +31,26 @@ class Limit:
     key: str
     default: int
     what: str  # what is counted, for messages
+    # what the library fusectl computes with can hold, whatever the budget: () -> (the most,
+    # the rest of the refusal: who says so and what to do)
+    ceiling: Callable[[], tuple[int, str]] | None = None
 
     @property
     def variable(self) -> str:
         """The environment variable that raises this budget: ``FUSECTL_MAX_`` + the key in capitals, ``-`` as ``_``."""
         return "FUSECTL_MAX_" + self.key.upper().replace("-", "_")
+
+
+@functools.cache
+def _numpy_dims() -> tuple[int, str]:
+    """The most dimensions the installed numpy gives an array: 32 before numpy 2.0, 64 since."""
+    import numpy as np
+
+    try:
+        np.empty((0,) * 64)
+    except ValueError:
+        return 32, f"numpy {np.__version__} holds at most 32 (numpy 2 holds 64: upgrade numpy)"
+    return 64, f"numpy {np.__version__} holds at most 64; fusectl cannot read the tensor"
 
 
 LIMITS: dict[str, Limit] = {
@@ -47,7 +64,7 @@ LIMITS: dict[str, Limit] = {
         # records it: 32 keeps the provenance within json-depth, so an output reads back
         Limit("rules-depth", 32, "levels of nesting in a rules file (tables, dotted keys, arrays)"),
         Limit("name-bytes", 4096, "bytes in one tensor name"),
-        Limit("dims", 64, "dimensions of one tensor"),
+        Limit("dims", 64, "dimensions of one tensor", _numpy_dims),
         Limit("integer-digits", 30, "digits in one integer"),
         Limit("expression-chars", 1000, "characters in one [vars] expression"),
         Limit("chunks", 1_000_000, "chunks or groups one step cuts a tensor into"),
@@ -69,8 +86,21 @@ LIMITS: dict[str, Limit] = {
 
 
 def limit(key: str) -> int:
-    """The budget for ``key``: its default, or the value of its environment variable."""
+    """The budget for ``key``: its default, or the value of its environment variable, but never
+    more than the library that computes on it can hold (``Limit.ceiling``).
+
+    >>> limit("dims") <= 64  # numpy's most
+    True
+    """
     spec = LIMITS[key]
+    budget = _configured(spec)
+    if spec.ceiling is not None:
+        return min(budget, spec.ceiling()[0])
+    return budget
+
+
+def _configured(spec: Limit) -> int:
+    """The default of ``spec``, or the value of its environment variable."""
     raw = os.environ.get(spec.variable)
     if raw is None:
         return spec.default
@@ -100,10 +130,13 @@ def nesting_depth(value: object) -> int:
 
 
 def check_limit(key: str, value: int, where: str, error: type[FusectlError] = CheckpointError) -> None:
-    """Raise ``error`` naming ``where`` when ``value`` exceeds the budget for ``key``."""
+    """Raise ``error`` naming ``where`` when ``value`` exceeds the budget for ``key``: naming the
+    variable that raises it, or, past what the library can hold (``Limit.ceiling``), the library."""
     budget = limit(key)
     if value > budget:
         spec = LIMITS[key]
+        if spec.ceiling is not None and value > spec.ceiling()[0]:  # no budget would let it through
+            raise error(f"{where}: {value} {spec.what}, but {spec.ceiling()[1]}")
         raise error(
             f"{where}: {value} {spec.what} exceeds fusectl's limit of {budget}; if the file is "
             f"genuine, raise it with {spec.variable}={value}"

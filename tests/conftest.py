@@ -246,6 +246,13 @@ def write_rules(path, text: str) -> Path:
     return Path(path)
 
 
+# Python source of an expression: the peak resident memory, in kB, of the process that evaluates
+# it, from its own /proc/self/status (VmHWM, which starts afresh at exec). A child the tests start
+# measures itself with it: its ru_maxrss starts at the peak of the process it was forked from (a
+# pytest worker's 1.3-1.8 GB, seen for every pickle bomb), not at its own (13 MB).
+OWN_PEAK_KB = "int(next(line for line in open('/proc/self/status') if line.startswith('VmHWM:')).split()[1])"
+
+
 class CaseTimeout(BaseException):
     """Raised by time_limit's alarm: a BaseException, so no error handler can swallow it."""
 

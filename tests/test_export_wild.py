@@ -132,7 +132,8 @@ def if_graph(path, then_weight: np.ndarray) -> Path:
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
                                helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    # IR 8 given: make_model writes the installed onnx's newest IR, which an older onnxruntime refuses
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     return path
 
 

@@ -737,24 +737,43 @@ def test_a_hugging_face_snapshot_link_out_of_its_repository_is_refused(tmp_path,
 # -------------------------------------------------------------------------------- 9. dims
 
 
-def test_more_than_64_dims_are_refused(tmp_path, monkeypatch):
+def test_more_dims_than_the_budget_are_refused(tmp_path, monkeypatch):
     src = tmp_path / "in"
     src.mkdir()
-    shape = json.dumps([1] * 65)
+    shape = json.dumps([1] * 5)
     path = st_file(src / "m.safetensors", '{"w":{"dtype":"U8","shape":' + shape + ',"data_offsets":[0,1]}}', b"\1")
     assert _library_reads(path) is not None  # the library has no such limit; fusectl's budget refuses it
-    refuse(["inspect", path], "m.safetensors", "'w'", "FUSECTL_MAX_DIMS=65", inputs=src)
-    monkeypatch.setenv("FUSECTL_MAX_DIMS", "65")
+    monkeypatch.setenv("FUSECTL_MAX_DIMS", "4")
+    refuse(["inspect", path], "m.safetensors", "'w'", "FUSECTL_MAX_DIMS=5", inputs=src)
+    monkeypatch.setenv("FUSECTL_MAX_DIMS", "5")
     ok(run_cli("inspect", path))
 
 
-def test_a_provenance_spec_with_more_than_64_dims_is_refused(tmp_path, fused):
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_more_dims_than_numpy_holds_are_refused_whatever_the_budget(tmp_path, monkeypatch, command):
+    """numpy 1.x holds 32 dims, numpy 2 holds 64: a tensor past that is bad input naming numpy,
+    whatever FUSECTL_MAX_DIMS says (on numpy 1.26 a 42-dim tensor passed the header check and
+    convert exited 70 with numpy's ValueError)."""
+    most = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+    src = tmp_path / "in"
+    src.mkdir()
+    shape = json.dumps([1] * (most + 1))
+    path = st_file(src / "m.safetensors", '{"w":{"dtype":"U8","shape":' + shape + ',"data_offsets":[0,1]}}', b"\1")
+    monkeypatch.setenv("FUSECTL_MAX_DIMS", "100")
+    out = tmp_path / "out.safetensors"
+    refuse([command, path, *(["-o", out] if command == "convert" else [])], "m.safetensors", "'w'",
+           f"{most + 1} dimensions of one tensor, but numpy {np.__version__} holds at most {most}",
+           inputs=src, out=out)
+
+
+def test_a_provenance_spec_with_more_dims_than_the_budget_is_refused(tmp_path, fused, monkeypatch):
     def edit(text):
         doc = json.loads(text)
-        doc["plan"][0]["steps"][0]["input_specs"][0] = ["F32", [1] * 65]
+        doc["plan"][0]["steps"][0]["input_specs"][0] = ["F32", [1] * 5]
         return json.dumps(doc)
     src, path = _edited(tmp_path, fused, edit)
-    refuse(["inspect", path], "fused.safetensors", "FUSECTL_MAX_DIMS", inputs=src)
+    monkeypatch.setenv("FUSECTL_MAX_DIMS", "4")
+    refuse(["inspect", path], "fused.safetensors", "FUSECTL_MAX_DIMS=5", inputs=src)
 
 
 @pytest.mark.parametrize("command", ["inspect", "fuse", "verify"])

@@ -20,7 +20,8 @@ def test_each_limit_has_a_variable_named_for_its_key():
 
 def test_the_default_holds_without_the_variable(monkeypatch):
     monkeypatch.delenv("FUSECTL_MAX_DIMS", raising=False)
-    assert limit("dims") == LIMITS["dims"].default == 64
+    assert LIMITS["dims"].default == 64
+    assert limit("dims") == min(64, _numpy_most_dims())
 
 
 def test_the_variable_replaces_the_default(monkeypatch):
@@ -52,3 +53,25 @@ def test_the_value_at_the_budget_passes_and_one_more_is_refused_with_the_error_a
 def test_an_unknown_key_is_a_bug_not_a_budget():
     with pytest.raises(KeyError):
         limit("no-such-limit")
+
+
+def _numpy_most_dims() -> int:
+    import numpy as np
+
+    return 64 if int(np.__version__.split(".")[0]) >= 2 else 32
+
+
+def test_a_raised_dims_budget_stops_at_what_numpy_holds(monkeypatch):
+    """numpy 1.x holds 32 dimensions, numpy 2 holds 64: past that an array cannot be made, so
+    the budget stops there and the refusal names numpy, not the variable."""
+    import numpy as np
+
+    most = _numpy_most_dims()
+    monkeypatch.setenv("FUSECTL_MAX_DIMS", "100")
+    assert limit("dims") == most
+    check_limit("dims", most, "m.safetensors")
+    with pytest.raises(CheckpointError) as e:
+        check_limit("dims", most + 1, "m.safetensors")
+    assert str(e.value).startswith(f"m.safetensors: {most + 1} dimensions of one tensor, but numpy "
+                                   f"{np.__version__} holds at most {most}")
+    assert "FUSECTL_MAX_DIMS" not in str(e.value)

@@ -114,7 +114,7 @@ HOSTILE = {
     "negative-dims-external": (lambda d: _external_dims(d, [-2, -2]), ["shape [-2, -2] has a negative dimension"]),
     "huge-dims": (lambda d: _embedded(d, [2**62, 2**62], raw=b""), ["too large to be stored"]),
     "huge-dims-beside-zero": (lambda d: _embedded(d, [0, 2**62, 2**62], raw=b""), ["too large to be stored"]),
-    "too-many-dims": (lambda d: _embedded(d, [1] * 100, raw=W.tobytes()[:4]), ["100 dimensions", "FUSECTL_MAX_DIMS"]),
+    "too-many-dims": (lambda d: _embedded(d, [1] * 100, raw=W.tobytes()[:4]), ["100 dimensions of one tensor, but numpy"]),
     "short-raw-data": (lambda d: _embedded(d, [4, 4], raw=W.tobytes()),
                        ["holds 16 bytes of data, but shape [4, 4] of FLOAT needs 64"]),
     "short-float-data": (lambda d: _embedded(d, [4, 4], float_data=[0.0] * 4),
@@ -181,12 +181,17 @@ def test_convert_copies_a_sound_external_weight_bitwise(cli, tmp_path):
     assert back["w"].tobytes() == W.tobytes() and back["w"].shape == (2, 2)
 
 
-_PACKED = {TensorProto.UINT4, TensorProto.INT4, TensorProto.FLOAT4E2M1, TensorProto.INT2, TensorProto.UINT2}
+# by name: each onnx release adds types (FLOAT4E2M1 in 1.18, INT2/UINT2 and FLOAT6 later), and the
+# suite runs on the declared floor of onnx too
+_PACKED = {getattr(TensorProto, name) for name in ("UINT4", "INT4", "FLOAT4E2M1", "INT2", "UINT2")
+           if hasattr(TensorProto, name)}
+_UNWRITABLE = {getattr(TensorProto, name) for name in ("UNDEFINED", "FLOAT6E2M3", "FLOAT6E3M2")
+               if hasattr(TensorProto, name)}
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed-fields", "raw-data"])
 @pytest.mark.parametrize("dtype", [d for d in TensorProto.DataType.values()
-                                   if d not in (TensorProto.UNDEFINED, TensorProto.FLOAT6E2M3, TensorProto.FLOAT6E3M2)],
+                                   if d not in _UNWRITABLE],
                          ids=TensorProto.DataType.Name)
 def test_every_dtype_as_onnx_writes_it_passes_the_checks(dtype, raw):
     """No false refusal: a [3, 3] tensor of each dtype, as onnx.helper (typed fields, 2- and

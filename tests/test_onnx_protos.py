@@ -131,6 +131,20 @@ def test_dims_past_the_budget_are_refused_naming_the_variable(tmp_path, monkeypa
     assert "FUSECTL_MAX_DIMS=4" in message
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["typed-fields", "raw-data"])
+def test_a_dtype_onnx_knows_and_onnx_ir_does_not_is_refused_naming_the_tensor(tmp_path, monkeypatch, raw):
+    """onnx 1.23 added INT2, which onnx-ir 0.1 has no member for: the lookup was a KeyError
+    (exit 70). Here onnx-ir is made to lack INT4, which every onnx release fusectl supports has."""
+    import onnx_ir as ir
+
+    monkeypatch.setattr(ir, "DataType", {k: v for k, v in ir.DataType.__members__.items() if k != "INT4"})
+    tensor = (TensorProto(name="w", data_type=TensorProto.INT4, dims=[4], raw_data=b"\0\0") if raw
+              else helper.make_tensor("w", TensorProto.INT4, [4], [1, 1, 1, 1]))
+    message = refusal(tmp_path, tensor)
+    assert message == (f"{tmp_path / 'm.onnx'}: tensor 'w': its dtype INT4 is one onnx-ir {ir.__version__} does "
+                       "not know; upgrade onnx-ir (pip install -U onnx-ir) to read it")
+
+
 def test_many_dims_are_shown_in_part(tmp_path):
     message = refusal(tmp_path, TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[1] * 9 + [-1]))
     assert "shape [1, 1, 1, 1, 1, 1, 1, 1, … (10 dims)] has a negative dimension" in message

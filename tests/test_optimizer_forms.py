@@ -226,7 +226,10 @@ def test_each_fused_form_resumes_on_the_fused_model_with_the_unfused_runs_losses
     fused = forms.resume(out)
     unfused = forms.resume(FORMS / name)
     assert fused["fused"] and not unfused["fused"] and fused["form"] == FILES[name][0]
-    assert fused["losses"] == unfused["losses"] == reference["uninterrupted"][kind]  # bit for bit
+    assert fused["losses"] == unfused["losses"]  # bit for bit: both resumed here, in this process
+    recorded = reference["uninterrupted"][kind]  # on another machine: its CPU may round otherwise
+    assert len(fused["losses"]) == len(recorded)
+    assert max(abs(a - b) for a, b in zip(fused["losses"], recorded)) <= 1e-5
     ok(run_cli("unfuse", out, "-o", tmp_path / "back.pt"))
     assert forms.resume(tmp_path / "back.pt")["losses"] == unfused["losses"]
 

@@ -15,11 +15,48 @@ ONNX = {"onnx", "onnxruntime", "onnx_ir"}
 
 
 def _modules_imported(*args: str) -> set[str]:
-    """The modules a fresh ``python -X importtime ARGS`` imports (read from its stderr); it must exit 0."""
+    """The modules that fusectl imports in a fresh ``python -X importtime ARGS`` (it must exit 0):
+    its own, and those it asks for, directly or through the standard library, but not what a
+    third-party package imports for itself (numpy 1.26 imports hashlib, numpy 2 does not) nor
+    what the interpreter imported before fusectl (a site hook may import zipfile)."""
     done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    return {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    importer = _importers(done.stderr)
+    return {name for name in importer if _asked_by_fusectl(name, importer)}
+
+
+def _importers(importtime: str) -> dict[str, str | None]:
+    """Each module of a ``-X importtime`` report → the module whose import imported it (None
+    at the top). The report lists a module after those it imported, indented two spaces more."""
+    importer: dict[str, str | None] = {}
+    waiting: dict[int, list[str]] = {}  # depth → modules not yet given their importer
+    for line in importtime.splitlines():
+        if not line.startswith("import time:") or line.endswith("imported package"):
+            continue
+        field = line.rsplit("|", 1)[1]
+        name = field.strip()
+        depth = len(field) - len(field.lstrip(" "))
+        for child in waiting.pop(depth + 2, []):
+            importer[child] = name
+        waiting.setdefault(depth, []).append(name)
+        importer[name] = None
+    return importer
+
+
+def _asked_by_fusectl(name: str, importer: dict[str, str | None]) -> bool:
+    """fusectl's own modules, and a module whose nearest importer outside the standard library
+    is one of fusectl's."""
+    if _is_fusectl(name):
+        return True
+    above = importer.get(name)
+    while above is not None and above.partition(".")[0] in sys.stdlib_module_names:
+        above = importer.get(above)
+    return above is not None and _is_fusectl(above)
+
+
+def _is_fusectl(name: str) -> bool:
+    return name == "fusectl" or name.startswith("fusectl.")
 
 
 @pytest.mark.parametrize("args", [("-m", "fusectl", "--version"), ("-m", "fusectl", "--help"),
@@ -96,3 +133,22 @@ def test_ml_dtypes_is_imported_when_a_bf16_tensor_is_read():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True", "bfloat16"]
+
+
+def test_an_import_is_charged_to_fusectl_only_through_fusectl():
+    """The report's shape, as ``-X importtime`` prints it: children first, two spaces deeper."""
+    report = "\n".join(f"import time:       1 |       1 | {line}" for line in [
+        "zipfile",                # a site hook's, before fusectl
+        "      hashlib",
+        "    numpy.random",
+        "  numpy",                # numpy's hashlib is numpy's
+        "      random",
+        "    tempfile",
+        "  fusectl.io.atomic",    # random, through the standard library, is fusectl's
+        "fusectl.cli",
+    ])
+    importer = _importers("import time: self [us] | cumulative | imported package\n" + report)
+    assert importer["hashlib"] == "numpy.random" and importer["numpy"] == "fusectl.cli"
+    assert importer["zipfile"] is None
+    charged = {name for name in importer if _asked_by_fusectl(name, importer)}
+    assert charged == {"fusectl.cli", "fusectl.io.atomic", "numpy", "tempfile", "random"}

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import load_checkpoint_raw, ok, run_cli, write_safetensors
+from conftest import OWN_PEAK_KB, load_checkpoint_raw, ok, run_cli, write_safetensors
 from fusectl import dtypes
 from fusectl.errors import CheckpointError, InternalError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
@@ -352,12 +352,12 @@ def test_fuse_to_pt_then_unfuse_restores_the_source(cli, copy_fixture, tmp_path)
     assert load_checkpoint_raw(back) == load_checkpoint_raw(src)
 
 
-_MEASURE = """
-import resource, sys
+_MEASURE = f"""
+import sys
 from fusectl.io.safetensors_file import read_safetensors
 from fusectl.io.torch_writer import write_torch_file
 write_torch_file(sys.argv[2], dict(read_safetensors(sys.argv[1]).tensors))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print({OWN_PEAK_KB})
 """
 
 

@@ -137,7 +137,7 @@ def _checked_size(where: str, tensor) -> int | None:
         raise CheckpointError(f"{where}: shape {shown} has a negative dimension; dims must be whole numbers "
                               "(the model is corrupt: re-export it)")
     name = _dtype_name(tensor)
-    bits = _bitwidth(name)
+    bits = _bitwidth(where, name)
     # numpy refuses an array whose nonzero dims multiply past its address space, even when
     # another dim is 0: each is counted
     size = (bits or 8) * math.prod(max(d, 1) for d in dims)
@@ -149,12 +149,19 @@ def _checked_size(where: str, tensor) -> int | None:
     return (bits * math.prod(dims) + 7) // 8
 
 
-def _bitwidth(name: str | None) -> int | None:
+def _bitwidth(where: str, name: str | None) -> int | None:
+    """The bits of one element of the ONNX dtype ``name`` (None for strings and unknown dtypes);
+    CheckpointError for a dtype the installed onnx knows and onnx-ir does not (onnx 1.23 added
+    INT2, which onnx-ir 0.1 cannot read)."""
     import onnx_ir as ir
 
     if name is None or name in ("STRING", "UNDEFINED"):
         return None
-    return ir.DataType[name].bitwidth
+    try:
+        return ir.DataType[name].bitwidth
+    except KeyError:
+        raise CheckpointError(f"{where}: its dtype {name} is one onnx-ir {ir.__version__} does not know; "
+                              "upgrade onnx-ir (pip install -U onnx-ir) to read it") from None
 
 
 def _check_embedded(where: str, tensor, nbytes: int | None) -> None:
@@ -178,7 +185,7 @@ def _check_embedded(where: str, tensor, nbytes: int | None) -> None:
         raise CheckpointError(f"{where}: keeps its values in {used[0]}, which ONNX does not use for {name} "
                               f"(it uses {field} or raw_data); the model is corrupt")
     held = len(getattr(tensor, field))
-    bits = _bitwidth(name)
+    bits = _bitwidth(where, name)
     if name.startswith("COMPLEX"):
         need = 2 * numel  # real and imaginary parts
     elif field == "int32_data" and bits in (2, 4):
