@@ -42,5 +42,5 @@ def twin_checks(reference: Checkpoint, candidate: Checkpoint, plan: Plan, atol: 
         checks.append(Check("twin", twin.where, not failed,
                             detail=f"{len(found) - len(failed)} of {len(found)} tensor(s) equal ({bitwise} bitwise)"))
         checks += failed
-    checks += [Check("twin", where, False, detail="not in the reference") for where in mine]
+    checks += [Check("twin", t.where, False, detail="not in the reference") for t in mine.values()]
     return checks
