@@ -96,7 +96,8 @@ def linear_graph(path, weight: np.ndarray, dead: np.ndarray | None = None):
         inits.append(numpy_helper.from_array(dead, "d"))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], inits)
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    # IR 8: the oldest onnxruntime fusectl supports (1.18) loads up to IR 10, and onnx writes its newest
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
     return path
 
 

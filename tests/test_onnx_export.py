@@ -213,7 +213,7 @@ def test_a_tied_head_held_under_its_own_name_is_checked_like_any_named_initializ
         [numpy_helper.from_array(embed, "embed.weight"), numpy_helper.from_array(head.copy(), "head.weight")],
     )
     graph_path = tmp_path / "untied.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(graph_path))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(graph_path))
     ckpt = tmp_path / "tied.safetensors"
     save_file({"embed.weight": embed}, str(ckpt), metadata={"head.weight": "embed.weight"})
     out = tmp_path / "out.onnx"
