@@ -218,3 +218,30 @@ def test_fixture_graphs_with_external_data_give_the_same_results_shared_or_not(t
         assert list(alone) == list(together)
         for name in alone:
             np.testing.assert_array_equal(np.asarray(together[name]), np.asarray(alone[name]), err_msg=name)
+
+
+def test_a_model_onnx_ir_cannot_read_shares_nothing(tmp_path):
+    w = _weights()
+    a, b = _chain(tmp_path / "a.onnx", w), _chain(tmp_path / "b.onnx", w)
+    assert sorted(find_shared(a, b).arrays) == ["w0", "w1", "w2"]
+    Path(b + ".data").unlink()  # its external data gone: load_model refuses it
+    assert find_shared(a, b).arrays == {}
+    assert find_shared(b, a).arrays == {}
+
+
+def test_a_data_file_that_shrinks_after_the_comparison_is_refused_naming_it(tmp_path, monkeypatch):
+    from fusectl.errors import CheckpointError
+    from fusectl.verification import shared_initializers
+
+    w = _weights()
+    a, b = _chain(tmp_path / "a.onnx", w), _chain(tmp_path / "b.onnx", w)
+
+    class Shrinking(shared_initializers.RangeComparer):
+        def close(self):  # every comparison done: another process truncates the file meanwhile
+            super().close()
+            with open(a + ".data", "r+b") as f:
+                f.truncate(16)
+
+    monkeypatch.setattr(shared_initializers, "RangeComparer", Shrinking)
+    with pytest.raises(CheckpointError, match=r"a\.onnx\.data: shorter than the \d+ bytes it held a moment ago"):
+        find_shared(a, b)

@@ -151,3 +151,94 @@ def test_another_scheduler_and_trainer_state_fail_named(trainer):
     assert found["scheduler.pt"] == "other bytes" and found["rng_state.pth"] == "missing from the candidate"
     assert "in the candidate" in found["trainer_state.json"] and found["extra.json"] == "not in the reference"
     assert set(found) == {"scheduler.pt", "trainer_state.json", "rng_state.pth", "extra.json"}
+
+
+def test_an_entry_of_another_kind_shape_or_length_is_named_with_both_sides(tmp_path, fused):
+    candidate = tmp_path / "edited.pt"
+    reference = tmp_path / "ref.pt"
+
+    def extras(tree):
+        # tensors in lists: a dict of tensors beside the model would be another state dict to choose
+        tree["extra"] = {"rng": [tensor(np.zeros(3))], "seed": [tensor(np.zeros(2))], "history": [1, 2],
+                         "best": 0.5, "note": ["x"], "metric": float("nan")}
+    edited(TRAINING / "llama-adamw.pt", reference, extras)
+    edited(fused, candidate, extras)
+    ok(verify(reference, candidate))  # an unset metric (NaN) is the same NaN on both sides
+
+    def other(tree):
+        tree["extra"] = {"rng": [tensor(np.zeros(4))], "seed": [7], "history": [1, 2, 3], "best": "0.5",
+                         "note": [tensor(np.zeros(1))], "metric": float("nan")}
+    changed = tmp_path / "changed.pt"
+    edited(candidate, changed, other)
+    result = verify(reference, changed)
+    assert result.exit_code == 1
+    assert failed(result) == {"extra.rng.0": "F32[3] in the reference, F32[4] in the candidate",
+                              "extra.seed.0": "a F32[2] tensor in the reference, an int in the candidate",
+                              "extra.history": "2 items in the reference, 3 in the candidate",
+                              "extra.best": "a float in the reference, a str in the candidate",
+                              "extra.note.0": "a str in the reference, a F32[1] tensor in the candidate"}
+
+
+def test_more_differences_than_are_named_are_counted(tmp_path, fused):
+    candidate = tmp_path / "edited.pt"
+    edited(fused, candidate, lambda t: t.update({f"added{i:02}": i for i in range(25)}))
+    result = verify(TRAINING / "llama-adamw.pt", candidate)
+    assert result.exit_code == 1
+    found = failed(result)
+    assert len(found) == 21 and found.pop("more") == "5 more entries differ"
+    assert found == {f"added{i:02}": "not in the reference" for i in range(20)}
+
+
+def test_a_strided_tensor_entry_is_compared_by_its_values(tmp_path):
+    # torch.save of a transposed tensor keeps its strides: its bytes are no one file range
+    torch = pytest.importorskip("torch")
+    reference, fused, candidate = tmp_path / "ref.pt", tmp_path / "fused.pt", tmp_path / "edited.pt"
+    torch.save({"model": {"w": torch.ones(4, 2)}, "rng": [torch.arange(6.0).reshape(2, 3).T]},
+               reference)
+    rules = tmp_path / "rename.toml"
+    rules.write_text('version = 1\n[[rule]]\nop = "rename"\ninput = "w"\noutput = "weight"\n')
+    ok(run_cli("fuse", reference, "-r", rules, "-o", fused))
+    ok(verify(reference, fused))
+    edited(fused, candidate, lambda t: t.update(rng=[tensor(np.arange(6.0).reshape(2, 3).T[::-1])]))
+    result = verify(reference, candidate)
+    assert result.exit_code == 1 and failed(result) == {"rng.0": "a F32[3, 2] tensor with other bytes"}
+
+
+def test_a_trainer_folder_against_a_model_only_file_on_either_side(tmp_path, trainer):
+    order, out = trainer
+    unfused, fused = tmp_path / "unfused.safetensors", tmp_path / "fused.safetensors"
+    ok(run_cli("convert", TRAINING / "trainer" / "checkpoint-2" / "model.safetensors", "-o", unfused))
+    ok(run_cli("convert", out / "model.safetensors", "-o", fused))
+    result = ok(verify(TRAINING / "trainer" / "checkpoint-2", fused, *RULES, "--param-order", order))
+    assert "not compared: the candidate holds the model only, without the Trainer's files" in result.stdout
+    result = verify(unfused, out, "--param-order", order)
+    assert result.exit_code == 1
+    assert failed(result)["beside the model"] == "the candidate holds the Trainer's files, the reference does not"
+
+
+def test_a_folder_in_a_trainer_folder_is_compared_as_a_folder(tmp_path):
+    order = tmp_path / "llama.json"
+    order.write_text(json.dumps(llama_order()))
+    reference, out = tmp_path / "checkpoint-2", tmp_path / "fused"
+    shutil.copytree(TRAINING / "trainer" / "checkpoint-2", reference)
+    (reference / "runs").mkdir()  # empty: a folder is all there is to compare
+    ok(run_cli("fuse", reference, *RULES, "--param-order", order, "-o", out))
+    result = ok(verify(reference, out, "--param-order", order))
+    assert any(c["name"] == "runs" and c["passed"] and c["detail"] == "a folder" for c in result.report["checks"])
+    (out / "runs").rmdir()
+    (out / "runs").write_text("not a folder\n")
+    result = verify(reference, out, "--param-order", order)
+    assert result.exit_code == 1 and failed(result) == {"runs": "a folder on one side only"}
+
+
+def test_a_config_json_the_rules_edit_is_not_compared_as_a_file(tmp_path):
+    order = tmp_path / "llama.json"
+    order.write_text(json.dumps(llama_order()))
+    rules = tmp_path / "edit.toml"
+    rules.write_text('version = 1\n[config]\nset = { fused_by = "fusectl" }\n')
+    out = tmp_path / "fused"
+    ok(run_cli("fuse", TRAINING / "trainer" / "checkpoint-2", *RULES, "-r", rules, "--param-order", order,
+               "-o", out))
+    assert json.loads((out / "config.json").read_text())["fused_by"] == "fusectl"
+    result = ok(verify(TRAINING / "trainer" / "checkpoint-2", out, "--param-order", order))
+    assert "config.json" not in {c["name"] for c in result.report["checks"] if c["kind"] == "file"}

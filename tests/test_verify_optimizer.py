@@ -182,3 +182,31 @@ def test_a_reference_whose_order_the_shapes_cannot_prove_needs_param_order(tmp_p
     result = ok(_verify(torch_dir / "training.pt", old, "--param-order", order, "--param-order-out", fused_order))
     assert "PASS optimizer parameters" in result.stdout
     assert "PASS state: 36 tensor(s) equal (36 bitwise" in result.stdout
+
+
+def test_param_groups_merged_or_a_parameter_moved_to_another_group_fail_named(fused, tmp_path):
+    merged, moved = tmp_path / "merged.pt", tmp_path / "moved.pt"
+
+    def merge(tree):
+        groups = tree["optimizer_state_dict"]["param_groups"]
+        groups[0]["params"] = groups[0]["params"] + groups[1]["params"]
+        del groups[1]
+
+    rewrite(fused, merged, merge)
+    result = _verify(TRAINING / "llama-adamw.pt", merged)
+    assert result.exit_code == 1
+    assert "FAIL optimizer param groups  (1 param group(s), the reference has 2)" in result.stdout
+    # the last parameter of group 0 made the first of group 1: the ids keep their order, so the
+    # candidate's state still maps to its parameters, but the parameter sits in another group
+    last = fusectl.open_checkpoint(str(fused)).optimizer_mapped[0].groups[0].params[-1]
+    name = fusectl.open_checkpoint(str(fused)).optimizer_mapped[1].names[last]
+
+    def move(tree):
+        groups = tree["optimizer_state_dict"]["param_groups"]
+        groups[0]["params"] = groups[0]["params"][:-1]
+        groups[1]["params"] = [last] + groups[1]["params"]
+
+    rewrite(fused, moved, move)
+    result = _verify(TRAINING / "llama-adamw.pt", moved)
+    assert result.exit_code == 1
+    assert f"FAIL optimizer param group 1  (holds '{name}', which the plan puts in param group 0)" in result.stdout
