@@ -20,8 +20,11 @@ import pytest
 from conftest import FIXTURES, ok, run_cli
 from fusectl import dtypes
 from fusectl.io.torch_file import read_torch_tree
+from fusectl.io.checkpoint import open_checkpoint
 from fusectl.io.torch_writer import write_torch_file
+from fusectl.steps import Plan
 from fusectl.tensors import ArrayTensor, TensorSpec
+from fusectl.verification.container_check import container_checks
 from test_trainer_folder import llama_order
 
 TRAINING = FIXTURES / "training"
@@ -214,6 +217,18 @@ def test_a_trainer_folder_against_a_model_only_file_on_either_side(tmp_path, tra
     result = verify(unfused, out, "--param-order", order)
     assert result.exit_code == 1
     assert failed(result)["beside the model"] == "the candidate holds the Trainer's files, the reference does not"
+
+
+def test_a_trainer_folder_against_a_training_dict_fails_on_either_side():
+    """Both hold training state, in two forms: nothing beside the model can be held to unchanged,
+    so the entries fail (they passed as "not compared", as if one side held the model only)."""
+    folder = open_checkpoint(str(TRAINING / "trainer" / "checkpoint-2"))
+    training_dict = open_checkpoint(str(TRAINING / "llama-adamw.pt"))
+    for reference, candidate, kinds in [(folder, training_dict, ("a Trainer folder", "a training dict")),
+                                        (training_dict, folder, ("a training dict", "a Trainer folder"))]:
+        [check] = container_checks(reference, candidate, Plan())
+        assert not check.passed
+        assert check.detail.startswith(f"the reference is {kinds[0]}, the candidate {kinds[1]}")
 
 
 def test_a_folder_in_a_trainer_folder_is_compared_as_a_folder(tmp_path):

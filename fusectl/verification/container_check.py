@@ -16,7 +16,8 @@ the optimizer's state and the model's copies as it was (``training_output``,
   ``config.json`` where the plan edits none) byte for byte, each a check of kind ``file``.
 
 A candidate that holds the model only (``.safetensors``, a model folder) has nothing to compare:
-one passing check says the entries were not written. An optimizer dropped on purpose
+one passing check says the entries were not written. A Trainer folder against a training dict (either way round)
+holds training state in two forms that cannot be held to "unchanged": one failing check. An optimizer dropped on purpose
 (``--drop-optimizer``, and Lightning's ``lr_schedulers`` with it) is ``optimizer_check``'s to
 report, not a missing entry.
 """
@@ -56,9 +57,14 @@ def container_checks(reference: Checkpoint, candidate: Checkpoint, plan: Plan) -
     if ref is None and cand is None:
         return []
     if isinstance(ref, TrainerOptimizer) or isinstance(cand, TrainerOptimizer):
-        if not (isinstance(ref, TrainerOptimizer) and isinstance(cand, TrainerOptimizer)):
-            return _one_side(ref, "the Trainer's files")
-        return _file_checks(reference, candidate, plan)
+        if isinstance(ref, TrainerOptimizer) and isinstance(cand, TrainerOptimizer):
+            return _file_checks(reference, candidate, plan)
+        if ref is not None and cand is not None:  # a Trainer folder against a training dict: unlike entries
+            kinds = ["a Trainer folder" if isinstance(t, TrainerOptimizer) else "a training dict" for t in (ref, cand)]
+            return [Check("entry", "beside the model", False,
+                          detail=f"the reference is {kinds[0]}, the candidate {kinds[1]}: their other entries "
+                                 "cannot be held to 'unchanged'; verify a checkpoint against one of its own kind")]
+        return _one_side(ref, "the Trainer's files")
     if ref is None or cand is None:
         return _one_side(ref, "the training dict's entries beside the model")
     expected, found = _beside_model(ref, reference), _beside_model(cand, candidate)
