@@ -383,7 +383,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         order = keys_for(checkpoint, table, made, recorded)
         if whole_training and not state_copied:
             report = write_training(checkpoint, table, made, out, order=order, param_order_out=param_order_out,
-                                    force=force, on_note=on_note, twins=twins)
+                                    restore=moved is not None, force=force, on_note=on_note, twins=twins)
         else:  # no optimizer, one no step moves (written as read), or one dropped: the training dict whole
             report = write_container(checkpoint, table, made, out, order=order, drop_optimizer=dropped, force=force,
                                      on_note=on_note, twins=twins)

@@ -95,14 +95,17 @@ def left_out(checkpoint: Checkpoint, shown: int = 8) -> list[str]:
 
 
 def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: str, *, order: KeyOrder,
-                   param_order_out: str | None = None, force: bool = False,
+                   param_order_out: str | None = None, restore: bool = False, force: bool = False,
                    on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
     """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its
     training table) as its model and optimizer state, ``twins`` (``fusectl.twins``: the
     model's copies after its plan) at their keys, in ``order`` (``key_order.keys_for``; a given
     ``param_order_out`` orders the model's tensors too), ``order.recorded`` as its provenance,
     and the parameter of each optimizer id in fusectl's record (``optimizer_state.order_record``:
-    read back, the output maps without being told its order). A plan that moves no parameter
+    read back, the output maps without being told its order) with the optimizer's order before
+    fusectl's first step (``Checkpoint.original_order``). ``restore``: an unfuse, whose optimizer
+    takes that recorded order back (parts fused from places apart return to them, as each id's
+    state must stand where ``model.parameters()`` puts its parameter). A plan that moves no parameter
     (:func:`moves_state`) is written by :func:`write_container` instead: the optimizer as read.
 
     :raises PlanError: a parameter of a param group that ``param_order_out`` does not list, a
@@ -112,13 +115,16 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: s
     """
     training = checkpoint.training
     given = read_order(os.fspath(param_order_out)) if param_order_out is not None else None
-    moved = moved_optimizer(checkpoint, table, plan, order=given, order_source=param_order_out, preferred=order.names)
+    original = checkpoint.recorded_original_order() if restore and given is None else None
+    moved = moved_optimizer(checkpoint, table, plan, order=given, order_source=param_order_out, preferred=order.names,
+                            restored=original)
     order = replace(order, names=list(moved.model))
     model = model_dict(node_at(training.tree(), training.model_path), moved.model, plan,
                        set(checkpoint.table.entries))
     root = training_tree(training.tree(), training.model_path, model, training.optimizer_path, moved.optimizer,
                          twin_entries(checkpoint, twins))
-    return _write_tree(checkpoint, table, root, order, out, force, on_note, order_record(moved.names))
+    return _write_tree(checkpoint, table, root, order, out, force, on_note,
+                       order_record(moved.names, checkpoint.original_order()))
 
 
 def moves_state(checkpoint: Checkpoint, plan: Plan) -> bool:
@@ -236,7 +242,7 @@ class MovedOptimizer:
 
 def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, order: list[str] | None = None,
                     order_source=None, positions: list[str] | None = None,
-                    preferred: Sequence[str] | None = None) -> MovedOptimizer:
+                    preferred: Sequence[str] | None = None, restored: Sequence[str] | None = None) -> MovedOptimizer:
     """The model and optimizer state ``table`` holds after ``plan`` (the state tensors moved with
     their parameters), the optimizer's ids renumbered 0..n-1 over its groups in the output order:
     ``order`` where given (each group sorted by it; ``order_source`` names it in messages; the
@@ -245,6 +251,8 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     ``Optimizer.load_state_dict`` pairs with the model's parameters). The model state dict takes
     the input's key order (``fusectl.key_order``), reordered by ``preferred`` (the output's key
     order) among the places its names hold, each fused tensor where its first part was.
+    ``restored`` (an unfuse: the optimizer's order before fusectl's first step) orders the
+    optimizer's parameters among the places they hold, the model's key order untouched.
 
     :raises PlanError: see :func:`write_training`.
     """
@@ -260,7 +268,8 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
     inputs = list(positions)  # the optimizer's ids in its own order, then every other name
     listed = set(inputs)
     inputs += [n for n in checkpoint.table.entries if n not in listed]
-    optimizer_order = output_order(inputs, plan, model_names, ties=ties, preferred=order)
+    optimizer_order = output_order(inputs, plan, model_names, ties=ties,
+                                   preferred=order if order is not None else restored)
     origins, position = _origins(inputs, plan), {n: i for i, n in enumerate(inputs)}
 
     # each output parameter of the optimizer: the unique name, its group, its input ids

@@ -354,3 +354,25 @@ def test_the_optimizer_keeps_its_own_order_where_the_state_dict_has_another(tmp_
     ok(run_cli("unfuse", out, "-o", tmp_path / "back.pt"))
     assert _differences(fusectl.open_checkpoint(str(src)).training.tree(),
                         fusectl.open_checkpoint(str(tmp_path / "back.pt")).training.tree()) == []
+
+
+def test_unfuse_puts_parts_fused_from_places_apart_back_in_the_optimizers_order(tmp_path):
+    # w1 and w3 fused (a w1/w2/w3 MLP's gate and up), w2 between them in the optimizer: unfused,
+    # each id must be its parameter's again; split in place, w3's state took id 1, w2's shape
+    rng = np.random.default_rng(1)
+    shapes = {"w1": (4, 3), "w2": (3, 4), "w3": (4, 3)}
+    model = collections.OrderedDict((n, array(rng.standard_normal(s))) for n, s in shapes.items())
+    state = {i: {"step": 3.0, "exp_avg": array(rng.standard_normal(s)), "exp_avg_sq": array(rng.random(s))}
+             for i, s in enumerate(shapes.values())}
+    groups = [{"params": [0, 1, 2], "lr": 0.1, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+               "amsgrad": False}]
+    src, fused, back = tmp_path / "train.pt", tmp_path / "fused.pt", tmp_path / "back.pt"
+    write_torch_file(str(src), {"model": model, "optimizer": {"state": state, "param_groups": groups}, "epoch": 4})
+    rules = write_rules(tmp_path / "w13.toml", 'version = 1\n[[rule]]\nop = "concat"\ninputs = ["w1", "w3"]\n'
+                                                'output = "w13"\n')
+    ok(run_cli("fuse", src, "-r", rules, "-o", fused))
+    ok(run_cli("unfuse", fused, "-o", back))
+    restored = fusectl.open_checkpoint(str(back))
+    state, mapping = restored.optimizer_mapped
+    assert [mapping.names[p] for p in state.ids()] == ["w1", "w2", "w3"]
+    assert _differences(fusectl.open_checkpoint(str(src)).training.tree(), restored.training.tree()) == []

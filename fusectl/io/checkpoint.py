@@ -187,18 +187,19 @@ class Checkpoint:
         return recorded_orders(record, self._record_file())[0]
 
     def recorded_original_order(self) -> list[str] | None:
-        """The parameter order before fusectl's first step as fusectl recorded it in a Trainer
-        folder's optimizer file; None where it is not recorded (another checkpoint, or an
-        optimizer file saved again by the Trainer)."""
-        if not isinstance(self.training, TrainerOptimizer):
+        """The optimizer's parameter order before fusectl's first step as fusectl recorded it (a
+        Trainer folder's optimizer file, a training dict's metadata); None where it is not
+        recorded (no optimizer, or a file saved again by its trainer)."""
+        if self.training is None or self.training.optimizer_path is None:
             return None
-        return recorded_orders(self.training.record, self.training.file)[1]
+        record = self.training.record if isinstance(self.training, TrainerOptimizer) else self.metadata
+        return recorded_orders(record, self._record_file())[1]
 
     def original_order(self) -> list[str] | None:
-        """The parameter order before fusectl's first step, for a Trainer folder: recorded by
-        fusectl in its optimizer file, else the order the optimizer was given (``given_order``;
-        its ids' order where neither is known). None for other checkpoints."""
-        if not isinstance(self.training, TrainerOptimizer):
+        """The optimizer's parameter order before fusectl's first step: recorded by fusectl,
+        else the order the optimizer was given (``given_order``; its ids' order where neither is
+        known). None without an optimizer."""
+        if self.training is None or self.training.optimizer_path is None:
             return None
         recorded = self.recorded_original_order()
         if recorded is not None:
