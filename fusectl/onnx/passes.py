@@ -14,7 +14,6 @@ from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 
 from ..errors import quote
 from ..steps import Plan, Step, StepGroup
-from ..table import ParamTable
 from ..executor import recover_inputs
 from .accounting import account_for_checkpoint, refuse_unpaired_checkpoint_tensors
 from .export_context import SET_ASIDE, ExportContext, ExportError, Pairing

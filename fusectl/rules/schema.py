@@ -72,9 +72,9 @@ def load_rules(
         raise RuleError(f"{source}: not valid TOML: {e}") from e
     except ValueError as e:  # an integer literal past Python's 4,300-digit conversion limit
         raise RuleError(f"{source}: an integer is too long to read ({e}); sizes and counts fit in 64 bits") from e
-    except RecursionError:  # tomllib recurses once per nested array or inline table
-        check_limit("rules-depth", limit("rules-depth") + 1, f"{source} (at least)", RuleError)
-        raise
+    except RecursionError as e:  # tomllib recurses once per nested array or inline table: no budget helps
+        raise RuleError(f"{source}: arrays or inline tables nested too deep for Python's TOML reader; rules files "
+                        f"nest at most {limit('rules-depth')} levels") from e
     # dotted keys and table headers nest without recursion in tomllib, not in what reads them
     check_limit("rules-depth", nesting_depth(doc), source, RuleError)
     _no_unknown_keys(doc, _TOP_KEYS, source)

@@ -37,7 +37,7 @@ from ..tensors import ByteRange, LazyTensor
 from .byte_ranges import equal_pairs
 from .report import Check
 
-_SHOWN = 20  # differences named one by one; the rest counted in one check
+_SHOWN = 20  # differences named one by one; past them the comparison stops, one check says more differ
 
 
 class _Elsewhere:
@@ -77,7 +77,10 @@ def container_checks(reference: Checkpoint, candidate: Checkpoint, plan: Plan) -
     checks = [Check("entry", key_text(path) or "(the top level)", False, detail=detail)
               for path, detail in differences[:_SHOWN]]
     if len(differences) > _SHOWN:
-        checks.append(Check("entry", "more", False, detail=f"{len(differences) - _SHOWN} more entries differ"))
+        # _compare stops once past _SHOWN (no more tensors read): what it found past them is a floor
+        checks.append(Check("entry", "more", False,
+                            detail=f"at least {len(differences) - _SHOWN} more entries differ (the comparison "
+                                   f"stops once more than {_SHOWN} are found)"))
     return checks
 
 
