@@ -165,7 +165,8 @@ def could_hold(specs: list[TensorSpec], graph_tensors: list[GraphTensor]) -> lis
     candidates = [t for t in graph_tensors if not t.dtype.startswith(("int", "uint", "bool"))]
     if not candidates:
         return []
-    limit = max(t.size for t in candidates)
+    # no sum of some of the sizes passes their total: the bitset need not be wider than either
+    limit = min(max(t.size for t in candidates), sum(spec.numel for spec in specs))
     mask = (1 << (limit + 1)) - 1
     counts: dict[int, int] = {}
     for spec in specs:
