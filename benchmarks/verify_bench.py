@@ -75,6 +75,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fuse_bench  # noqa: E402  (the benchmarks folder is not a package)
+from verify_models_bench import measure_verify  # noqa: E402
 from fuse_bench import MB, SIZES, BenchError  # noqa: E402
 
 METHODS = ["read", "verify", "fuse-split-transpose"]
@@ -166,15 +167,7 @@ def run_method(method, label, paths, fusectl, timeout):
         return fuse_bench.measure(["sh", "-c", 'cat "$@" > /dev/null', "sh", *files], timeout)
     if method == "verify":
         # verify has no --quiet: its report goes to a file, shown if it fails
-        cmd = ["sh", "-c", 'log=$1; shift; exec "$@" > "$log"', "sh", log_file,
-               fusectl, "verify", src, fused]
-        try:
-            return fuse_bench.measure(cmd, timeout)
-        except BenchError as e:
-            with open(log_file, errors="replace") as f:
-                report = f.read()[-4000:]
-            raise BenchError(f"{label}: fusectl verify {src} {fused} did not pass\n{e}\n"
-                             f"its report ({log_file}):\n{report}") from e
+        return measure_verify(fusectl, [src, fused], log_file, timeout)
     if method == "fuse-split-transpose":
         fuse_bench.remove(out)
         os.sync()
