@@ -88,6 +88,14 @@ def never_mapped(monkeypatch):
     monkeypatch.setattr(optimizer_state, "_placement", refuse)
 
 
+
+def _assert_round_trips_bitwise(src, rules, tmp_path) -> None:
+    """``src`` fused with ``rules`` and unfused: the whole training dict back, bitwise and in order."""
+    ok(run_cli("fuse", src, "-r", rules, "-o", tmp_path / "fused.pt"))
+    ok(run_cli("unfuse", tmp_path / "fused.pt", "-o", tmp_path / "back.pt"))
+    assert _differences(fusectl.open_checkpoint(str(src)).training.tree(),
+                        fusectl.open_checkpoint(str(tmp_path / "back.pt")).training.tree()) == []
+
 def test_seventy_five_groups_of_distinct_shapes_map_fuse_and_unfuse_within_a_small_budget(tmp_path, monkeypatch):
     src = adamw_file(tmp_path / "train.pt", distinct_shapes())
     # a few steps per id: a search through subsets of the 75 groups could not stay within it
@@ -100,10 +108,7 @@ def test_seventy_five_groups_of_distinct_shapes_map_fuse_and_unfuse_within_a_sma
             unwritten=[tmp_path / "x.pt"])
     rules = write_rules(tmp_path / "t.toml", 'version = 1\n[[rule]]\nop = "transpose"\ninput = "layers.{i}.weight"\n'
                                             'output = "layers.{i}.weight_t"\n')
-    ok(run_cli("fuse", src, "-r", rules, "-o", tmp_path / "fused.pt"))
-    ok(run_cli("unfuse", tmp_path / "fused.pt", "-o", tmp_path / "back.pt"))
-    assert _differences(fusectl.open_checkpoint(str(src)).training.tree(),
-                        fusectl.open_checkpoint(str(tmp_path / "back.pt")).training.tree()) == []
+    _assert_round_trips_bitwise(src, rules, tmp_path)
 
 
 def test_seventy_five_groups_of_shared_shapes_are_refused_at_once_asking_for_names(tmp_path, monkeypatch):
@@ -242,7 +247,4 @@ def test_a_real_adamw_of_75_groups_saved_with_names_fuses_and_unfuses_bitwise(tm
     _real_adamw(src, named=True)
     rules = write_rules(tmp_path / "t.toml", 'version = 1\n[[rule]]\nop = "transpose"\ninput = "{i}.0.weight"\n'
                                             'output = "{i}.0.weight_t"\n')
-    ok(run_cli("fuse", src, "-r", rules, "-o", tmp_path / "fused.pt"))
-    ok(run_cli("unfuse", tmp_path / "fused.pt", "-o", tmp_path / "back.pt"))
-    assert _differences(fusectl.open_checkpoint(str(src)).training.tree(),
-                        fusectl.open_checkpoint(str(tmp_path / "back.pt")).training.tree()) == []
+    _assert_round_trips_bitwise(src, rules, tmp_path)
