@@ -30,14 +30,14 @@ from .executor import run_plan
 from .config_edit import resolve_edits
 from .inspection import InspectReport, inspect_checkpoint
 from .io.checkpoint import Checkpoint, Companion, open_checkpoint, read_config_text, takes_key
-from .io.formats import output_kind
+from .io.registry import output_kind
 from .key_order import keys_for
 from .steps import Plan, RuleOrigin
 from .followers.optimizer import STATE_SEP
 from .reports import human, name_map_text, plan_json, plan_text
 from .table import ParamTable
 from .ties import declare_ties, detect_ties
-from .io.trainer_folder import TrainerOptimizer, is_training_state
+from .io.formats.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
 from .training_output import left_out, model_steps, model_ties, moves_state, write_container, write_training, \
     writes_training

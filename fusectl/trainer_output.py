@@ -70,7 +70,7 @@ def write_trainer_folder(checkpoint: Checkpoint, table: ParamTable, plan: Plan, 
     relative = training.optimizer_key
 
     def write_optimizer(target: str) -> None:
-        from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
+        from .io.formats.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
         write_torch_file(target, moved.optimizer, metadata=record)
 
     files = [c for c in companions if c.relative != relative]

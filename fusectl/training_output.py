@@ -51,12 +51,12 @@ from .errors import CheckpointError, InternalError, PlanError, option, printable
 from .followers.optimizer import SCALAR_KEYS, STATE_SEP, refuse_separator
 from .io.atomic import atomic_output
 from .io.checkpoint import Checkpoint
-from .io.formats import output_kind
+from .io.registry import output_kind
 from .io.key_path import KeyPath, key_text, node_at
 from .io.optimizer_state import RECORD_KEYS, order_record, read_order, training_tree, without_optimizer, \
     written_optimizer
 from .key_order import KeyOrder, output_order, sort_keys, ties_of
-from .io.trainer_folder import TrainerOptimizer
+from .io.formats.trainer_folder import TrainerOptimizer
 from .steps import Plan
 from .table import ParamTable
 from .twins import MovedTwin
@@ -333,7 +333,7 @@ def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder
     metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata,
                 **(record or {})}
     written = {id(t): t for t in tree_tensors(root)}
-    from .io.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
+    from .io.formats.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
         write_torch_file(temp, root, metadata=metadata)
     nbytes = sum(t.spec.nbytes for t in written.values())

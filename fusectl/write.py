@@ -16,7 +16,7 @@ from .errors import OutputError, option_name
 from .executor import Evaluation, source_of
 from .io.checkpoint import Companion
 from .io.atomic import atomic_output
-from .io.formats import output_format
+from .io.registry import output_format
 from .io.optimizer_state import RECORD_KEYS
 from .io.output import plan_shards
 from .io.provenance import METADATA_KEY, Provenance

@@ -230,7 +230,7 @@ def test_failed_run_with_force_keeps_old_output(cli, area, copy_fixture):
 
 def test_write_failure_with_force_keeps_old_output(cli, area, copy_fixture, monkeypatch):
     """A failure in the middle of writing (disk full) leaves the old output and no temp file."""
-    import fusectl.io.safetensors_file as st
+    import fusectl.io.formats.safetensors_file as st
 
     src = copy_fixture(LLAMA)
     out = area / "out" / "fused"
@@ -262,7 +262,7 @@ def test_write_failure_with_force_keeps_old_output(cli, area, copy_fixture, monk
 
 
 def test_write_failure_without_existing_output_leaves_nothing(cli, area, copy_fixture, monkeypatch):
-    import fusectl.io.safetensors_file as st
+    import fusectl.io.formats.safetensors_file as st
 
     src = copy_fixture(BF16)
 

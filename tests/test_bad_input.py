@@ -4,9 +4,9 @@ The contract is checked in full by ``conftest.assert_refused`` / ``conftest.refu
 code, message, no traceback, no output path, no temporary or half-renamed file beside it, and
 every input byte unchanged. Each bad-input test sits with the module that refuses the input:
 
-- a broken safetensors file or shard        → test_safetensors_file.py   (io/safetensors_file.py)
+- a broken safetensors file or shard        → test_safetensors_file.py   (io/formats/safetensors_file.py)
 - no checkpoint, a broken sharded index     → test_checkpoint.py         (io/checkpoint.py)
-- a broken npz                              → test_npz_file.py           (io/npz_file.py)
+- a broken npz                              → test_npz_file.py           (io/formats/npz_file.py)
 - a torch/pickle file                       → test_torch_reader.py, test_hostile_readers.py,
                                               test_pickle_amplification.py
 - a rules file that does not parse          → test_schema.py, test_hostile_rules.py

@@ -347,7 +347,7 @@ def test_bf16_sharded_round_trip_with_sharded_output(cli, copy_fixture, tmp_path
 
 def test_bf16_read_through_library_header_reader(cli, copy_fixture, tmp_path):
     """The sharded output read back with fusectl's own reader gives the same bytes as by hand."""
-    from fusectl.io.safetensors_file import read_header
+    from fusectl.io.formats.safetensors_file import read_header
 
     src = copy_fixture(BF16)
     fused = tmp_path / "fused"

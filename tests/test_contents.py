@@ -16,7 +16,7 @@ from conftest import FIXTURES, ok, write_safetensors
 from fusectl.errors import CheckpointError
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.io.contents import Contents
-from fusectl.io.formats import format_of
+from fusectl.io.registry import format_of
 from fusectl.io.provenance import METADATA_KEY
 
 

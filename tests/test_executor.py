@@ -130,7 +130,7 @@ def test_recover_inputs_gives_data_through_exact_groups_and_names_through_others
 
 
 def test_every_tensor_kind_implements_the_protocol():
-    importlib.import_module("fusectl.io.npz_file")  # defines its tensor kind
+    importlib.import_module("fusectl.io.formats.npz_file")  # defines its tensor kind
 
     def kinds(cls):
         for sub in cls.__subclasses__():

@@ -1,4 +1,4 @@
-"""The format registry (fusectl.io.formats): every row recognised by its suffix or content,
+"""The format registry (fusectl.io.registry): every row recognised by its suffix or content,
 picked in a folder in preference order, read into one Contents, written back where it has a
 writer (a round trip), and io/ importing nothing from onnx/ or verification/."""
 
@@ -17,9 +17,9 @@ from conftest import FIXTURES, write_safetensors
 from fusectl.errors import CheckpointError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.io.contents import Contents
-from fusectl.io.formats import (FORMATS, WEIGHT_SUFFIXES, format_by_suffix, format_named, format_of, output_format,
+from fusectl.io.registry import (FORMATS, WEIGHT_SUFFIXES, format_by_suffix, format_named, format_of, output_format,
                                 output_kind, pick_in_folder, takes_key)
-from fusectl.io.npz_file import NpzWriter
+from fusectl.io.formats.npz_file import NpzWriter
 
 IO = Path(__file__).resolve().parent.parent / "fusectl" / "io"
 ARRAYS = {"a.weight": np.arange(12, dtype=np.float32).reshape(3, 4), "b.bias": np.arange(5, dtype=np.int64)}
@@ -227,7 +227,7 @@ def test_io_imports_nothing_from_onnx_or_verification_and_onnx_libraries_only_la
 def test_opening_a_safetensors_file_loads_neither_torch_nor_onnx_readers(tmp_path):
     path = sample("safetensors", tmp_path)
     code = ("import sys; from fusectl.io.checkpoint import open_checkpoint; open_checkpoint(sys.argv[1]); "
-            "print(sorted(m for m in ('onnx', 'onnx_ir', 'fusectl.io.torch_file', 'fusectl.io.onnx_file') "
+            "print(sorted(m for m in ('onnx', 'onnx_ir', 'fusectl.io.formats.torch_file', 'fusectl.io.formats.onnx_file') "
             "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
                           cwd=IO.parent.parent)

@@ -28,8 +28,8 @@ import safetensors
 
 from conftest import leftovers, run_cli, snapshot, time_limit
 from fusectl.errors import FusectlError
-from fusectl.io.mxnet_params import read_mxnet
-from fusectl.io.torch_file import ALLOWED_GLOBALS, read_torch
+from fusectl.io.formats.mxnet_params import read_mxnet
+from fusectl.io.formats.torch_file import ALLOWED_GLOBALS, read_torch
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CASES = int(os.environ.get("FUSECTL_FUZZ_CASES", "60"))

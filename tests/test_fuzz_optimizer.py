@@ -6,7 +6,7 @@ keyed by object ids) are read, their optimizer entry broken one way — a wrong 
 groups, a state for an id or a name no group lists, a state of another shape, an id listed
 twice, a name no parameter has, ids of two kinds; in the flattened form a key of neither kind,
 a parameter or hyperparameter missing from a key, a nested state — and written back as a torch
-file by ``io.torch_writer`` (no torch needed). ``fuse -r llama-qkv -o out.pt`` of each must
+file by ``io.formats.torch_writer`` (no torch needed). ``fuse -r llama-qkv -o out.pt`` of each must
 refuse it: exit 2, one ``error:`` line naming the file and its optimizer state, nothing written,
 the input untouched, no traceback (test_fuzz.check_contract) — never a file with a state moved to
 the wrong parameter. The same file read through the API raises CheckpointError. Each mutation
@@ -28,7 +28,7 @@ import fusectl
 from conftest import FIXTURES
 from fusectl.dtypes import BY_NAME
 from fusectl.errors import CheckpointError
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 from test_fuzz import CASES, SEED, check_contract
 

@@ -176,7 +176,7 @@ def test_torch_loads_the_names_strictly_and_reproduces_mxnet(cli, tmp_path, rel,
 def test_torch_names_go_back_to_gluons_names_and_bytes(cli, tmp_path, rel, back):
     torch_named = fuse(cli, tmp_path, MX / rel, "-r", "gluon-rnn-to-torch")
     back_path = fuse(cli, tmp_path, torch_named, "-r", back, name="back.params")
-    from fusectl.io.mxnet_params import read_mxnet
+    from fusectl.io.formats.mxnet_params import read_mxnet
 
     got = {n: t.read() for n, t in read_mxnet(str(back_path)).tensors.items()}
     want = mxnet_arrays(rel)
@@ -230,7 +230,7 @@ def test_the_fused_cells_vector_comes_back_bitwise(cli, tmp_path):
     before = snapshot(tmp_path)
     back = tmp_path / "back.params"
     ok(cli("unfuse", per_gate, "-o", back))
-    from fusectl.io.mxnet_params import read_mxnet
+    from fusectl.io.formats.mxnet_params import read_mxnet
 
     tensors = read_mxnet(str(back)).tensors
     assert list(tensors) == ["arg:lstm_parameters"]
@@ -317,7 +317,7 @@ def test_the_wrong_mode_is_refused_by_its_sizes(cli):
 
 
 def test_the_symbol_leaves_out_what_it_cannot_tell():
-    from fusectl.io.mxnet_symbol import parse_symbol
+    from fusectl.io.formats.mxnet_symbol import parse_symbol
 
     nodes = [{"op": "null", "name": "data", "inputs": []}, {"op": "null", "name": "p", "inputs": []}]
     rnn = {"op": "RNN", "name": "r", "inputs": [[0, 0, 0], [1, 0, 0]],

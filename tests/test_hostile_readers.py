@@ -27,8 +27,8 @@ import safetensors.numpy
 from conftest import FIXTURES, leftovers, ok, run_cli, time_limit, write_rules, write_safetensors
 from fusectl.errors import CheckpointError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.npz_file import NpzWriter
-from fusectl.io.safetensors_file import read_header
+from fusectl.io.formats.npz_file import NpzWriter
+from fusectl.io.formats.safetensors_file import read_header
 from fusectl.tensors import TensorSpec
 from fusectl.dtypes import BY_NAME
 

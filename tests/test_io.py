@@ -21,9 +21,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import load_checkpoint_raw, ok, parse_safetensors
 from fusectl.dtypes import ARRAY_DTYPES, BY_NAME
 from fusectl.errors import CheckpointError
-from fusectl.io.npz_file import NpzWriter, read_npz
+from fusectl.io.formats.npz_file import NpzWriter, read_npz
 from fusectl.io.output import plan_shards
-from fusectl.io.safetensors_file import SafetensorsWriter, header_bytes, read_header
+from fusectl.io.formats.safetensors_file import SafetensorsWriter, header_bytes, read_header
 from fusectl.tensors import TensorSpec
 
 # safetensors' own dtype list (the Rust crate's Dtype enum, as its error message spells it)
@@ -442,7 +442,7 @@ def test_writer_invariants_are_real_errors_not_asserts(tmp_path):
     """They hold under python -O too: a bug in the order of writes is an InternalError (exit 70)."""
     from fusectl import dtypes
     from fusectl.errors import InternalError
-    from fusectl.io.safetensors_file import SafetensorsWriter
+    from fusectl.io.formats.safetensors_file import SafetensorsWriter
     from fusectl.tensors import TensorSpec
 
     spec = TensorSpec(dtypes.BY_NAME["F32"], (2,))

@@ -23,7 +23,8 @@ import pytest
 
 from conftest import leftovers, ok, parse_safetensors, snapshot, time_limit, write_rules, write_safetensors, refused
 from fusectl.errors import CheckpointError
-from fusectl.io import npz_file, untrusted
+from fusectl.io import untrusted
+from fusectl.io.formats import npz_file
 from fusectl.io.provenance import plan_from_json, plan_to_json
 from fusectl.io.untrusted import open_input
 

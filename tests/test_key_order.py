@@ -20,7 +20,7 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli
-from fusectl.io.torch_file import read_torch_tree
+from fusectl.io.formats.torch_file import read_torch_tree
 from fusectl.key_order import output_order, recorded_order, reordered
 from fusectl.ops import OPS
 from fusectl.steps import Plan, Step, StepGroup

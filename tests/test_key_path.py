@@ -19,7 +19,7 @@ from conftest import ok, refused, run_cli, snapshot
 from fusectl import dtypes
 from fusectl.errors import CheckpointError, InternalError
 from fusectl.io.key_path import key_repr, key_text, node_at, replaced, resolve, without
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, TensorSpec
 from test_training_output import _differences as tree_differences
 

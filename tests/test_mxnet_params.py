@@ -1,4 +1,4 @@
-"""MXNet NDArray files (fusectl.io.mxnet_params) against what real MXNet 1.9.1 wrote and read:
+"""MXNet NDArray files (fusectl.io.formats.mxnet_params) against what real MXNet 1.9.1 wrote and read:
 fixtures/mxnet/ (fixtures/generate_mxnet.py) holds the files and, in mxnet.json and arrays.npz,
 mx.nd.load's names, dtypes, shapes and bytes for each, and its verdict on broken files
 (hostile/verdicts.json). No MXNet is needed here."""
@@ -18,8 +18,8 @@ from conftest import FIXTURES, leftovers, ok, run_cli, snapshot
 from fusectl import dtypes
 from fusectl.errors import CheckpointError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.formats import format_of, takes_key
-from fusectl.io.mxnet_params import METADATA_MAGIC, MXNetWriter, read_mxnet, record_header
+from fusectl.io.registry import format_of, takes_key
+from fusectl.io.formats.mxnet_params import METADATA_MAGIC, MXNetWriter, read_mxnet, record_header
 from fusectl.tensors import FileTensor, TensorSpec
 
 MX = FIXTURES / "mxnet"

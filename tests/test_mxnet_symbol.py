@@ -1,4 +1,4 @@
-"""An MXNet ``-symbol.json`` read as data (fusectl.io.mxnet_symbol): the attributes MXNet 1.9.1
+"""An MXNet ``-symbol.json`` read as data (fusectl.io.formats.mxnet_symbol): the attributes MXNet 1.9.1
 wrote for the fixtures' BatchNorm and RNN operators (fixtures/generate_mxnet.py), the variables
 two operators share as ties in ``inspect``, and broken graphs refused naming the file."""
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES, ok, run_cli
 from fusectl.errors import CheckpointError
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.mxnet_symbol import RNN, parse_symbol, read_symbol
+from fusectl.io.formats.mxnet_symbol import RNN, parse_symbol, read_symbol
 
 MX = FIXTURES / "mxnet"
 

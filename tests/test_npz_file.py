@@ -1,4 +1,4 @@
-"""The npz reader (io/npz_file.py): a broken archive, pickled objects, a truncated member and
+"""The npz reader (io/formats/npz_file.py): a broken archive, pickled objects, a truncated member and
 malformed fusectl members are refused naming the file."""
 
 from __future__ import annotations

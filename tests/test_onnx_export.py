@@ -151,7 +151,7 @@ def test_a_perturbed_fused_weight_makes_model_verify_fail(tmp_path):
 
 
 def test_export_refuses_a_checkpoint_whose_weights_differ_from_the_graph(tmp_path):
-    from fusectl.io.safetensors_file import read_header
+    from fusectl.io.formats.safetensors_file import read_header
     src = tmp_path / "bert"
     shutil.copytree(ONNX / "bert", src)
     weights = src / "model.safetensors"

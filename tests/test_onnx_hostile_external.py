@@ -198,7 +198,7 @@ def test_every_dtype_as_onnx_writes_it_passes_the_checks(dtype, raw):
     4-bit values packed) and numpy_helper (raw_data) write it, is accepted and onnx-ir reads it."""
     import onnx_ir as ir
 
-    from fusectl.io.onnx_protos import check_tensor_protos
+    from fusectl.io.formats.onnx_protos import check_tensor_protos
 
     if dtype == TensorProto.STRING:
         if raw:

@@ -1,4 +1,4 @@
-"""Tensors of an untrusted ONNX model checked before anything loads them (io/onnx_protos.py):
+"""Tensors of an untrusted ONNX model checked before anything loads them (io/formats/onnx_protos.py):
 every place a model keeps a tensor is walked and labelled, and each way a tensor can lie — dims,
 embedded values, external data — is refused with a CheckpointError naming the model and the
 tensor; a sound model passes and lists the external files it reads."""
@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fusectl.errors import CheckpointError
-from fusectl.io.onnx_protos import check_location, check_tensor_protos, tensor_protos
+from fusectl.io.formats.onnx_protos import check_location, check_tensor_protos, tensor_protos
 
 W = np.arange(4, dtype=np.float32).reshape(2, 2)
 

@@ -23,8 +23,8 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli
-from fusectl.io.torch_file import read_torch
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_file import read_torch
+from fusectl.io.formats.torch_writer import write_torch_file
 from test_training_output import _differences
 
 FORMS = FIXTURES / "training" / "forms"

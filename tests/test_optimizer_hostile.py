@@ -30,7 +30,7 @@ import fusectl
 from conftest import ok, refused, run_cli, snapshot, write_rules
 from fusectl.dtypes import BY_NAME
 from fusectl.io import optimizer_state
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, TensorSpec
 from test_training_flags import concat_rule
 from test_training_output import _differences

@@ -1,4 +1,4 @@
-"""io/optimizer_state.py and the training-dict parts of io/torch_file.py: an optimizer's
+"""io/optimizer_state.py and the training-dict parts of io/formats/torch_file.py: an optimizer's
 state_dict read from headers, and each state mapped to its parameter only where the names or
 the shapes prove it."""
 

@@ -19,8 +19,8 @@ import pytest
 
 from conftest import OWN_PEAK_KB, time_limit
 from fusectl.errors import CheckpointError
-from fusectl.io import torch_file
-from fusectl.io.torch_file import read_torch
+from fusectl.io.formats import torch_file
+from fusectl.io.formats.torch_file import read_torch
 from test_torch_reader import OD, dict_of, g, i, legacy_file, pkl, refused, s, storage, tensor, torch_zip
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fusectl.cli import main
 from fusectl.dtypes import ARRAY_DTYPES
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.safetensors_file import SafetensorsWriter
+from fusectl.io.formats.safetensors_file import SafetensorsWriter
 from fusectl.tensors import TensorSpec
 
 DTYPES = sorted(n for n in ARRAY_DTYPES if n != "BOOL")  # BOOL bytes other than 0/1 are not bools

@@ -1,4 +1,4 @@
-"""The safetensors reader (io/safetensors_file.py): every broken header, offset, dtype, shape or
+"""The safetensors reader (io/formats/safetensors_file.py): every broken header, offset, dtype, shape or
 truncation is refused naming the file (and the tensor), and nothing is written."""
 
 from __future__ import annotations

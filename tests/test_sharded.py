@@ -1,4 +1,4 @@
-"""Sharded checkpoints (io/sharded.py): ``read_index`` reads an untrusted ``*.index.json``, each
+"""Sharded checkpoints (io/formats/sharded.py): ``read_index`` reads an untrusted ``*.index.json``, each
 shard it names through the shard reader it is given, and merges them into one Contents. Every
 refusal is a CheckpointError naming the index (or the shard) and the tensor or shard at fault.
 
@@ -18,7 +18,7 @@ import pytest
 
 from fusectl.errors import CheckpointError
 from fusectl.io.contents import Contents
-from fusectl.io.sharded import read_index
+from fusectl.io.formats.sharded import read_index
 from fusectl.io.untrusted import MalformedJSON
 from fusectl.dtypes import from_numpy
 from fusectl.tensors import ArrayTensor, TensorSpec

@@ -102,7 +102,7 @@ def test_light_commands_import_neither_onnx_nor_ml_dtypes(command):
 # the op registry (every op module), other formats' readers, and the standard library's slow
 # loaders (OpenSSL for hashlib, zipfile, traceback's tokenize)
 NOT_FOR_INSPECT = {"fusectl.rules.schema", "fusectl.rules.presets", "fusectl.planner", "fusectl.ops.reparam",
-                   "fusectl.io.npz_file", "fusectl.io.mxnet_params", "fusectl.io.torch_file", "fusectl.io.onnx_file",
+                   "fusectl.io.formats.npz_file", "fusectl.io.formats.mxnet_params", "fusectl.io.formats.torch_file", "fusectl.io.formats.onnx_file",
                    "hashlib", "zipfile", "traceback"}
 
 
@@ -110,7 +110,7 @@ NOT_FOR_INSPECT = {"fusectl.rules.schema", "fusectl.rules.presets", "fusectl.pla
                                         "fixtures/fp8-llama"])
 def test_inspect_of_safetensors_loads_no_rule_machinery_and_no_other_reader(checkpoint):
     imported = _modules_imported("-m", "fusectl", "inspect", checkpoint)
-    assert {"fusectl.api", "fusectl.io.safetensors_file"} <= imported  # the command ran
+    assert {"fusectl.api", "fusectl.io.formats.safetensors_file"} <= imported  # the command ran
     assert NOT_FOR_INSPECT & imported == set()
 
 

@@ -1,4 +1,4 @@
-"""fusectl.io.torch_file: torch.save files read without torch, safely, lazily.
+"""fusectl.io.formats.torch_file: torch.save files read without torch, safely, lazily.
 
 Good fixtures (fixtures/torch/, written by fixtures/generate_torch.py with torch 2.13) are
 compared bit for bit with what torch.load returned for them, recorded beside each file in
@@ -22,8 +22,8 @@ import pytest
 
 from conftest import FIXTURES, OWN_PEAK_KB, parse_safetensors, time_limit
 from fusectl.errors import CheckpointError
-from fusectl.io import torch_file
-from fusectl.io.torch_file import ALLOWED_GLOBALS, TorchContents, TorchViewTensor, read_torch
+from fusectl.io.formats import torch_file
+from fusectl.io.formats.torch_file import ALLOWED_GLOBALS, TorchContents, TorchViewTensor, read_torch
 from fusectl.tensors import FileTensor
 
 TORCH = FIXTURES / "torch"
@@ -160,8 +160,8 @@ def test_ambiguous_training_dict_lists_the_candidates(tmp_path):
     # "ema" beside "model" is the model's EMA (fusectl.twins): the model is read by default
     path = str(fixture("two-models"))
     assert read_torch(path).key == "model" and read_torch(path, "ema").key == "ema"
-    from fusectl.io.torch_file import read_torch_tree
-    from fusectl.io.torch_writer import write_torch_file
+    from fusectl.io.formats.torch_file import read_torch_tree
+    from fusectl.io.formats.torch_writer import write_torch_file
     tree, _ = read_torch_tree(path)
     two = str(tmp_path / "two.pt")  # two models under keys that say nothing of which is which
     write_torch_file(two, {("other" if k == "ema" else k): v for k, v in tree.items()})
@@ -228,7 +228,7 @@ def zipfile_text(path: Path) -> bytes:
 _MEASURE = f"""
 import sys
 from fusectl.errors import CheckpointError
-from fusectl.io.torch_file import read_torch
+from fusectl.io.formats.torch_file import read_torch
 before = {OWN_PEAK_KB}
 try:
     read_torch(sys.argv[1])

@@ -1,6 +1,6 @@
-"""io/torch_writer: torch.save zip archives written without torch.
+"""io/formats/torch_writer: torch.save zip archives written without torch.
 
-Read back three ways: fusectl's reader (io/torch_file), an independent loader here (zipfile and
+Read back three ways: fusectl's reader (io/formats/torch_file), an independent loader here (zipfile and
 pickle with stand-ins for torch's globals: the tree exactly as pickled), and — where torch is
 installed — ``torch.load(weights_only=True)``, byte-compared with ``torch.save`` of the same object.
 """
@@ -24,10 +24,10 @@ from conftest import OWN_PEAK_KB, load_checkpoint_raw, ok, run_cli, write_safete
 from fusectl import dtypes
 from fusectl.errors import CheckpointError, InternalError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.formats import format_named, output_kind
-from fusectl.io.safetensors_file import read_safetensors
-from fusectl.io.torch_file import METADATA_RECORD, read_pytorch, read_torch, read_torch_tree
-from fusectl.io.torch_writer import TorchWriter, _Pickler, crc_of_ranges, write_torch_file
+from fusectl.io.registry import format_named, output_kind
+from fusectl.io.formats.safetensors_file import read_safetensors
+from fusectl.io.formats.torch_file import METADATA_RECORD, read_pytorch, read_torch, read_torch_tree
+from fusectl.io.formats.torch_writer import TorchWriter, _Pickler, crc_of_ranges, write_torch_file
 from fusectl.tensors import ArrayTensor, ByteRange, FileTensor, LazyTensor, TensorSpec
 
 WRITTEN = [d for d in dtypes.ARRAY_DTYPES.values()]
@@ -354,8 +354,8 @@ def test_fuse_to_pt_then_unfuse_restores_the_source(cli, copy_fixture, tmp_path)
 
 _MEASURE = f"""
 import sys
-from fusectl.io.safetensors_file import read_safetensors
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.safetensors_file import read_safetensors
+from fusectl.io.formats.torch_writer import write_torch_file
 write_torch_file(sys.argv[2], dict(read_safetensors(sys.argv[1]).tensors))
 print({OWN_PEAK_KB})
 """
@@ -509,7 +509,7 @@ def test_a_fused_pt_output_loads_in_torch_with_ties_shared(cli, copy_fixture, tm
 def test_zip64_fields_are_read_by_zipfile_by_fusectl_and_by_torch(tmp_path, monkeypatch):
     """Past 4 GiB a record's sizes and offset go in zip64 fields; with the limit lowered, every
     record but the first few takes that path here."""
-    from fusectl.io import torch_writer
+    from fusectl.io.formats import torch_writer
 
     monkeypatch.setattr(torch_writer, "_ZIP64_AT", 200)
     tree = {"big": tensor("F32", (100,)), "small": tensor("I8", (3,)), "empty": tensor("F16", (0,))}
@@ -569,7 +569,7 @@ def test_the_crc_of_a_range_past_the_end_of_its_file_is_a_clean_error(tmp_path):
 
 def test_a_source_changed_while_its_record_is_copied_is_a_clean_error_and_nothing_is_written(tmp_path, monkeypatch):
     # the bytes and their CRC are read separately: a source that changes in between is refused
-    import fusectl.io.torch_writer as torch_writer
+    import fusectl.io.formats.torch_writer as torch_writer
 
     source = tmp_path / "source.safetensors"
     write_safetensors(source, {"a": np.arange(4096, dtype=np.float32)})

@@ -28,7 +28,7 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli, snapshot
-from fusectl.io.torch_file import read_torch_tree
+from fusectl.io.formats.torch_file import read_torch_tree
 from test_training_output import PARTS, _differences, phi3_order
 
 CHECKPOINT = FIXTURES / "training" / "trainer" / "checkpoint-2"
@@ -150,7 +150,7 @@ def test_training_args_bin_is_never_unpickled_only_copied(tmp_path, orders):
 
 def test_a_pytorch_model_bin_folder_is_mapped_by_its_state_dict_order(tmp_path):
     # the Trainer's own .pt/.pth/.bin files are never taken for the model's weights
-    from fusectl.io.torch_writer import write_torch_file
+    from fusectl.io.formats.torch_writer import write_torch_file
     import collections
     folder = tmp_path / "checkpoint-2"
     shutil.copytree(CHECKPOINT, folder)
@@ -240,7 +240,7 @@ def test_a_bad_output_order_is_exit_2_and_nothing_written(tmp_path, orders):
 
 
 def test_a_failure_while_writing_optimizer_pt_leaves_nothing(tmp_path, orders, monkeypatch):
-    import fusectl.io.torch_writer as torch_writer
+    import fusectl.io.formats.torch_writer as torch_writer
 
     def fail(path, root, **kwargs):
         with open(path, "wb") as f:
@@ -270,7 +270,7 @@ def test_convert_to_a_folder_copies_optimizer_pt_as_it_is(tmp_path):
 
 def test_an_edited_record_is_refused_naming_the_file(tmp_path, orders):
     out = _fuse(tmp_path, orders)
-    from fusectl.io.torch_writer import write_torch_file
+    from fusectl.io.formats.torch_writer import write_torch_file
     tree, record = read_torch_tree(str(out / "optimizer.pt"))
     record["fusectl.param_names"] = json.dumps(json.loads(record["fusectl.param_names"])[:-1])
     write_torch_file(str(tmp_path / "edited.pt"), tree, metadata=record)
@@ -313,7 +313,7 @@ def test_unfuse_gives_the_folder_back_model_and_optimizer_bitwise(tmp_path, orde
 def test_a_fused_folder_whose_optimizer_lost_the_record_unfuses_with_param_order(tmp_path, orders):
     # the Trainer saved optimizer.pt again (training on): fusectl's record is gone (issue 28)
     fused = _fuse(tmp_path, orders)
-    from fusectl.io.torch_writer import write_torch_file
+    from fusectl.io.formats.torch_writer import write_torch_file
     tree, _ = read_torch_tree(str(fused / "optimizer.pt"))
     write_torch_file(str(tmp_path / "resaved.pt"), tree)
     os.replace(tmp_path / "resaved.pt", fused / "optimizer.pt")

@@ -13,7 +13,7 @@ dict's other entries, stay where they were. An output that holds the model's ten
 The Lightning shape is fixtures/training/lightning.ckpt (a real ``lightning.Trainer``
 checkpoint) without what ``weights_only=True`` leaves out (``callbacks``,
 ``optimizer_states``, ``lr_schedulers``) and with the hyperparameters
-``save_hyperparameters`` adds; the trees are written with ``fusectl.io.torch_writer`` (byte for
+``save_hyperparameters`` adds; the trees are written with ``fusectl.io.formats.torch_writer`` (byte for
 byte what torch.save writes, ``test_torch_writer.py``). With torch installed, ``torch.load``
 reads each output as the input, entry for entry.
 """
@@ -28,8 +28,8 @@ import pytest
 import fusectl
 from conftest import FIXTURES, ok, run_cli
 from fusectl import dtypes, training_output
-from fusectl.io.torch_file import read_torch_tree
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_file import read_torch_tree
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 from test_training_output import _differences as tree_differences
 

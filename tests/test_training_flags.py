@@ -12,7 +12,7 @@
 - ``convert`` of a training dict to ``.pt`` gives back the whole dict bitwise; ``fuse`` then
   ``unfuse -r`` with the same rules gives back the original optimizer bitwise.
 
-Tied training dicts are written here with ``fusectl.io.torch_writer`` (byte for byte what
+Tied training dicts are written here with ``fusectl.io.formats.torch_writer`` (byte for byte what
 torch.save writes, ``test_torch_writer.py``); with torch installed, the untied output is loaded
 into a real AdamW, whose moments must be separate tensors.
 """
@@ -31,7 +31,7 @@ from conftest import FIXTURES, ok, refused, run_cli, snapshot, write_rules
 from fusectl import dtypes
 from fusectl.errors import TieError
 from fusectl.io.optimizer_state import RECORD_KEYS
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 from test_ties import TRANSPOSE_EMBED
 from test_training_output import _differences as tree_differences

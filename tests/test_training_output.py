@@ -23,7 +23,7 @@ import pytest
 import fusectl
 from conftest import FIXTURES, ok, refused, run_cli, snapshot, write_rules
 from fusectl.dtypes import BY_NAME
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 
 TRAINING = FIXTURES / "training"

@@ -25,8 +25,8 @@ import pytest
 
 import fusectl
 from conftest import FIXTURES, ok, run_cli, snapshot
-from fusectl.io.torch_file import read_torch_tree
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_file import read_torch_tree
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import LazyTensor
 
 TWINS = FIXTURES / "training" / "twins"

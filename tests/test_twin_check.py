@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from conftest import run_cli
-from fusectl.io.torch_file import read_torch_tree
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_file import read_torch_tree
+from fusectl.io.formats.torch_writer import write_torch_file
 from test_training_twins import TWINS
 
 REFERENCE = TWINS / "timm.pth.tar"

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import run_cli, snapshot
 from fusectl.dtypes import from_numpy
-from fusectl.io.torch_file import read_torch_tree
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_file import read_torch_tree
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ArrayTensor, TensorSpec
 from test_training_twins import TWINS
 

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import metadata_of, write_rules, write_safetensors
 from fusectl.cli import main
-from fusectl.io.safetensors_file import read_header
+from fusectl.io.formats.safetensors_file import read_header
 from fusectl.verification.compare import compare
 from fusectl.verification.probes import build_probe, _run_probe
 from fusectl.verification.runner import CPU

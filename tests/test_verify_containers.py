@@ -19,9 +19,9 @@ import pytest
 
 from conftest import FIXTURES, ok, run_cli
 from fusectl import dtypes
-from fusectl.io.torch_file import read_torch_tree
+from fusectl.io.formats.torch_file import read_torch_tree
 from fusectl.io.checkpoint import open_checkpoint
-from fusectl.io.torch_writer import write_torch_file
+from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.steps import Plan
 from fusectl.tensors import ArrayTensor, TensorSpec
 from fusectl.verification.container_check import container_checks

@@ -5,7 +5,7 @@ or swapped with another parameter's of the same shape), a changed ``step``, a ch
 hyperparameter, or a changed Python-number step fails with exit 1 naming what differs. A
 candidate that dropped the optimizer passes with the state reported ``"dropped"``; one holding
 optimizer state its reference lacks fails. Every tampered file is written with
-``fusectl.io.torch_writer`` from the fused file's own tree, its provenance kept.
+``fusectl.io.formats.torch_writer`` from the fused file's own tree, its provenance kept.
 """
 
 from __future__ import annotations

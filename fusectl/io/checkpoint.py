@@ -1,6 +1,6 @@
 """Open any supported checkpoint into a ParamTable (headers only) with its ties and provenance.
 
-Which file is read, and how, is the format registry's (:mod:`fusectl.io.formats`): every
+Which file is read, and how, is the format registry's (:mod:`fusectl.io.registry`): every
 format's reader returns one :class:`~fusectl.io.contents.Contents`, which this module turns into
 a :class:`Checkpoint` (ties, provenance, config, companions) without knowing the format."""
 
@@ -17,12 +17,12 @@ from ..followers import Followers, Source, detect
 from ..followers.optimizer import refuse_separator
 from ..table import ParamTable
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
-from .formats import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
+from .registry import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
 from .optimizer_state import OptimizerState, ParamMap, Training, Twin, map_parameters, \
     possible_parameters, read_order, recorded_orders, state_tensors
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
-from .trainer_folder import OPTIMIZER_FILES, TrainerOptimizer, is_trainer_file, trainer_optimizer
+from .formats.trainer_folder import OPTIMIZER_FILES, TrainerOptimizer, is_trainer_file, trainer_optimizer
 from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
 
 

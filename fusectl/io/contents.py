@@ -1,6 +1,6 @@
 """What every format's reader returns: :class:`Contents`, read from headers alone.
 
-A reader (one per row of :data:`fusectl.io.formats.FORMATS`) is called as
+A reader (one per row of :data:`fusectl.io.registry.FORMATS`) is called as
 ``read(path, key=None, check_link=None)`` and answers a :class:`Contents`; ``open_checkpoint``
 builds a checkpoint from it without knowing which format it came from.
 

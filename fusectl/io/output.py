@@ -1,6 +1,6 @@
 """Output layouts: a Hugging Face folder with shards, and the openers every writer is reached by.
 
-A format's row (:data:`fusectl.io.formats.FORMATS`) names its :class:`Output`; the files are
+A format's row (:data:`fusectl.io.registry.FORMATS`) names its :class:`Output`; the files are
 written at the temporary path that ``atomic.atomic_output`` renames into place.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from ..tensors import ByteRange, TensorSpec
-from .safetensors_file import INDEX_SUFFIX, SafetensorsWriter
+from .formats.safetensors_file import INDEX_SUFFIX, SafetensorsWriter
 
 if TYPE_CHECKING:
     import numpy as np

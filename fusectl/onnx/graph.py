@@ -1,11 +1,11 @@
 """ONNX graphs as onnx-ir loads them: ``load_model`` and the checks before it live in
-:mod:`fusectl.io.onnx_file` (all file reading is in ``io/``); graph views live here."""
+:mod:`fusectl.io.formats.onnx_file` (all file reading is in ``io/``); graph views live here."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..io.onnx_file import check_model_file, external_data_files, load_model
+from ..io.formats.onnx_file import check_model_file, external_data_files, load_model
 
 __all__ = ["check_model_file", "external_data_files", "initializer_views", "load_model"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..io.checkpoint import Checkpoint
-from ..io.mxnet_symbol import Symbol, read_symbol
+from ..io.formats.mxnet_symbol import Symbol, read_symbol
 from ..ops.reparam import BatchNormFacts, BnFold, NormFacts
 from .schema import RuleSet
 

@@ -31,7 +31,7 @@ from ..io.checkpoint import Checkpoint
 from ..errors import printable
 from ..io.key_path import KeyPath, key_text, node_at, replaced
 from ..io.optimizer_state import Training, without_optimizer
-from ..io.trainer_folder import TrainerOptimizer
+from ..io.formats.trainer_folder import TrainerOptimizer
 from ..steps import Plan
 from ..tensors import ByteRange, LazyTensor
 from .byte_ranges import equal_pairs

@@ -6,7 +6,7 @@ first; then names, ranks, fixed axes and dtypes are checked against the model (b
 :func:`fusectl.verification.runner.make_inputs`) from the headers alone; only an array that is fed
 is decompressed, into a buffer of the size its header declared. Python objects are never
 unpickled. The archive is parsed by the npz reader's own header parser
-(:mod:`fusectl.io.npz_file`); the budgets and messages here are verify's.
+(:mod:`fusectl.io.formats.npz_file`); the budgets and messages here are verify's.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from ..errors import VerifyError, option_name, printable, quote
-from ..io.npz_file import NPY_MAGIC, UNREADABLE, member_name, read_npy_header
+from ..io.formats.npz_file import NPY_MAGIC, UNREADABLE, member_name, read_npy_header
 from ..io.untrusted import check_regular_file
 from ..limits import check_limit
 from .runner import one_line

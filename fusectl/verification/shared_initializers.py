@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CheckpointError
-from ..io.onnx_file import load_model
+from ..io.formats.onnx_file import load_model
 from ..tensors import ByteRange
 from .byte_ranges import RangeComparer
 

@@ -15,13 +15,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..dtypes import ARRAY_DTYPES, DType
-from ..errors import CheckpointError, printable, quote
-from ..limits import check_limit
-from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
-from .contents import Contents
+from ...dtypes import ARRAY_DTYPES, DType
+from ...errors import CheckpointError, printable, quote
+from ...limits import check_limit
+from ...tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
+from ..contents import Contents
 from .onnx_protos import check_tensor_protos
-from .untrusted import check_regular_file
+from ..untrusted import check_regular_file
 
 SUFFIX = ".onnx"
 _BY_ONNX: dict[int, DType] = {d.onnx: d for d in ARRAY_DTYPES.values() if d.onnx is not None}
@@ -29,7 +29,7 @@ _BY_ONNX: dict[int, DType] = {d.onnx: d for d in ARRAY_DTYPES.values() if d.onnx
 
 def load_model(path: str):
     """The onnx-ir model at ``path``; CheckpointError for a missing or unreadable file, or one
-    with a tensor :func:`~fusectl.io.onnx_protos.check_tensor_protos` refuses (bad dims or
+    with a tensor :func:`~fusectl.io.formats.onnx_protos.check_tensor_protos` refuses (bad dims or
     data, external data outside its folder)."""
     import onnx_ir as ir
 
@@ -77,7 +77,7 @@ def external_data_files(path: str) -> list[str]:
     Each location must be a relative path that stays inside the model's folder (links
     resolved), name an existing regular file, and hold the tensor's bytes at its offset; every
     tensor's dims and embedded data are checked too
-    (:func:`~fusectl.io.onnx_protos.check_tensor_protos`). Anything else is a
+    (:func:`~fusectl.io.formats.onnx_protos.check_tensor_protos`). Anything else is a
     CheckpointError naming the model and the tensor. A model without external data gives [].
     """
     return _checked_proto(path)[1]

@@ -29,7 +29,7 @@ from typing import Callable
 from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
 from .output import FolderWriter, Output, single_file
-from .safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
+from .formats.safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
 from .sniff import MXNET_SUFFIXES, is_mxnet, is_pytorch
 
 
@@ -57,11 +57,11 @@ class Format:
 
 
 def _lazy(module: str, function: str) -> Reader:
-    """A reader that imports ``fusectl.io.<module>`` when first called: a run pays only for the
+    """A reader that imports ``fusectl.io.formats.<module>`` when first called: a run pays only for the
     readers of the formats it reads (ONNX's imports onnx-ir; npz's, zipfile)."""
 
     def read(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
-        reader = getattr(importlib.import_module(f"{__package__}.{module}"), function)
+        reader = getattr(importlib.import_module(f"{__package__}.formats.{module}"), function)
         return reader(path, key=key, check_link=check_link)
 
     read.__qualname__ = read.__name__ = function
@@ -73,7 +73,7 @@ def _lazy_writer(module: str, cls: str) -> Callable:
     :func:`_lazy` imports a reader: PyTorch's writer loads PyTorch's reader (its dtype table)."""
 
     def open_writer(path, entries, metadata, **order):
-        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)(path, entries, metadata, **order)
+        return getattr(importlib.import_module(f"{__package__}.formats.{module}"), cls)(path, entries, metadata, **order)
 
     open_writer.__qualname__ = open_writer.__name__ = cls
     return open_writer

@@ -17,7 +17,7 @@ torch.save (2.x) writes, record for record:
 - fusectl's own record, ``<name>/fusectl_metadata.json`` (a JSON object of strings: the
   metadata a safetensors output keeps in its header, fusectl's provenance included), only
   when there is metadata to keep; torch.load ignores records it does not know, and fusectl's
-  reader (:mod:`fusectl.io.torch_file`) reads it back, so ``unfuse`` of a ``.pt`` output works.
+  reader (:mod:`fusectl.io.formats.torch_file`) reads it back, so ``unfuse`` of a ``.pt`` output works.
 
 Every record is stored (ZIP_STORED) with its data aligned to 64 bytes (a ``FB`` extra field of
 ``Z`` padding, as PyTorch's miniz writer pads it) and followed by a data descriptor, so each
@@ -42,11 +42,11 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..background import Background
-from ..errors import CheckpointError, InternalError, OutputError, quote
-from ..tensors import ByteRange, LazyTensor, TensorSpec
-from ..ties import aliases_from_metadata
-from .streaming import COPY_BUFFER, Writeback, copy_ranges, read_chunks, write_all
+from ...background import Background
+from ...errors import CheckpointError, InternalError, OutputError, quote
+from ...tensors import ByteRange, LazyTensor, TensorSpec
+from ...ties import aliases_from_metadata
+from ..streaming import COPY_BUFFER, Writeback, copy_ranges, read_chunks, write_all
 from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES
 
 ALIGNMENT = 64
@@ -95,7 +95,7 @@ def write_torch_file(path: str, root: object, *, on_progress: Progress | None = 
 
 
 class TorchWriter:
-    """The ``pytorch`` row's output (:data:`fusectl.io.formats.FORMATS`): a state dict — a
+    """The ``pytorch`` row's output (:data:`fusectl.io.registry.FORMATS`): a state dict — a
     ``collections.OrderedDict`` of name → tensor, as ``torch.save(model.state_dict())`` writes
     it — its keys in ``order`` (the output's key order, ``fusectl.key_order``; by default the
     entries'), the records of the tensors' bytes in the order the entries are written (the

@@ -17,15 +17,15 @@ from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import CheckpointError, InternalError, quote
-from ..limits import check_limit, limit
-from .contents import Contents
-from .provenance import METADATA_KEY
+from ... import dtypes
+from ...errors import CheckpointError, InternalError, quote
+from ...limits import check_limit, limit
+from ..contents import Contents
+from ..provenance import METADATA_KEY
 from .sharded import read_index
-from .streaming import Writeback, copy_ranges, write_all
-from .untrusted import collector_paused, load_json, open_input
-from ..tensors import ByteRange, FileTensor, TensorSpec
+from ..streaming import Writeback, copy_ranges, write_all
+from ..untrusted import collector_paused, load_json, open_input
+from ...tensors import ByteRange, FileTensor, TensorSpec
 
 ALIGNMENT = 8
 SUFFIX = ".safetensors"

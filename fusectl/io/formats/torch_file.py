@@ -63,20 +63,20 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
-from .. import dtypes
-from ..dtypes import DType
-from ..errors import CheckpointError, option_name, printable, quote
-from ..limits import check_limit, limit
-from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
-from .contents import Contents
-from .key_path import KeyPath, key_repr, key_text, resolve
+from ... import dtypes
+from ...dtypes import DType
+from ...errors import CheckpointError, option_name, printable, quote
+from ...limits import check_limit, limit
+from ...tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
+from ..contents import Contents
+from ..key_path import KeyPath, key_repr, key_text, resolve
 from .npz_file import string_map
-from .optimizer_state import Training, find_optimizer, is_optimizer_dict, is_twin_of
-from .pickle_scan import Builds, NeedMore, call_bytes, scan
+from ..optimizer_state import Training, find_optimizer, is_optimizer_dict, is_twin_of
+from ..pickle_scan import Builds, NeedMore, call_bytes, scan
 from .sharded import read_index
-from .sniff import check_pytorch
-from .provenance import METADATA_KEY
-from .untrusted import collector_paused, open_input
+from ..sniff import check_pytorch
+from ..provenance import METADATA_KEY
+from ..untrusted import collector_paused, open_input
 
 # the first pickle of a legacy file, and the version after it (torch/serialization.py)
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C

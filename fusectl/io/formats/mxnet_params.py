@@ -51,15 +51,15 @@ from typing import BinaryIO, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import CheckpointError, InternalError, OutputError, printable, quote
-from ..limits import check_limit, limit
-from ..tensors import ByteRange, FileTensor, TensorSpec
-from .contents import Contents
-from .provenance import METADATA_KEY
-from .streaming import COPY_BUFFER, copy_ranges, start_writeback, write_all
-from .sniff import MXNET_LIST_MAGIC as LIST_MAGIC
-from .untrusted import load_json, open_input
+from ... import dtypes
+from ...errors import CheckpointError, InternalError, OutputError, printable, quote
+from ...limits import check_limit, limit
+from ...tensors import ByteRange, FileTensor, TensorSpec
+from ..contents import Contents
+from ..provenance import METADATA_KEY
+from ..streaming import COPY_BUFFER, copy_ranges, start_writeback, write_all
+from ..sniff import MXNET_LIST_MAGIC as LIST_MAGIC
+from ..untrusted import load_json, open_input
 
 V1_MAGIC, V2_MAGIC, V3_MAGIC = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 METADATA_MAGIC = b"FUSECTL_METADATA"
@@ -137,8 +137,8 @@ def read_mxnet(path: str, key: str | None = None, check_link: Callable[[str], No
     """The :class:`Contents` of an MXNet NDArray file: every dense array as a lazy byte range,
     under its name in the file (``0``, ``1``, … for a list without names), fusectl's metadata
     when the file holds it, and the ties that a ``-symbol.json`` beside it shows (two
-    operators reading one variable; :mod:`fusectl.io.mxnet_symbol`) and the sizes of its one RNN
-    operator as config values (:meth:`~fusectl.io.mxnet_symbol.Symbol.rnn_config`). CheckpointError naming the
+    operators reading one variable; :mod:`fusectl.io.formats.mxnet_symbol`) and the sizes of its one RNN
+    operator as config values (:meth:`~fusectl.io.formats.mxnet_symbol.Symbol.rnn_config`). CheckpointError naming the
     file (and the array) for anything ``mx.nd.load`` refuses or would read otherwise."""
     with open_input(path) as f:
         size = os.fstat(f.fileno()).st_size

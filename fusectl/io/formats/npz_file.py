@@ -17,13 +17,13 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import CheckpointError, OutputError, printable, quote
-from ..limits import check_limit, limit
-from .contents import Contents
-from .provenance import METADATA_KEY
-from .untrusted import load_json, open_input
-from ..tensors import ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
+from ... import dtypes
+from ...errors import CheckpointError, OutputError, printable, quote
+from ...limits import check_limit, limit
+from ..contents import Contents
+from ..provenance import METADATA_KEY
+from ..untrusted import load_json, open_input
+from ...tensors import ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
 
 SUFFIX = ".npz"
 NPY_MAGIC = b"\x93NUMPY"

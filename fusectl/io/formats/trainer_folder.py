@@ -27,8 +27,8 @@ import os
 import re
 from typing import Callable
 
-from ..errors import CheckpointError, printable
-from .optimizer_state import Training, parse_optimizer
+from ...errors import CheckpointError, printable
+from ..optimizer_state import Training, parse_optimizer
 
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # the first present is the optimizer read
 TRAINER_STATE = "trainer_state.json"  # the Trainer's step, epoch, logs: JSON, a companion

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ..errors import CheckpointError, quote
-from ..limits import check_limit
-from ..tensors import LazyTensor
-from .contents import Contents, Reader
-from .provenance import METADATA_KEY
-from .untrusted import read_json_file
+from ...errors import CheckpointError, quote
+from ...limits import check_limit
+from ...tensors import LazyTensor
+from ..contents import Contents, Reader
+from ..provenance import METADATA_KEY
+from ..untrusted import read_json_file
 
 
 def read_index(index_path: str, read_shard: Reader, check_link: Callable[[str], None] | None = None) -> Contents:

@@ -33,9 +33,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..errors import CheckpointError, quote
-from ..limits import check_limit
-from .untrusted import read_json_file
+from ...errors import CheckpointError, quote
+from ...limits import check_limit
+from ..untrusted import read_json_file
 
 # the inputs of the operators that hold parameters, in order (MXNet 1.9.1's ListArguments and
 # ListAuxiliaryStates); a variable read by another operator is named by its position

@@ -17,9 +17,9 @@ import os
 import re
 import stat
 
-from ..errors import CheckpointError, printable, quote
-from .untrusted import is_generated
-from ..limits import check_limit
+from ...errors import CheckpointError, printable, quote
+from ..untrusted import is_generated
+from ...limits import check_limit
 
 # ONNX keeps sizes, offsets and lengths in int64
 _INT64_MAX = 2**63 - 1
