@@ -9,8 +9,11 @@ built here as pickles, opcode by opcode.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -912,3 +915,43 @@ def test_truncations_of_every_good_file(tmp_path):
             for cut in sorted({1, 4, 30, len(data) // 3, len(data) // 2, len(data) - 30, len(data) - 1}):
                 path.write_bytes(data[:cut])
                 _survives(str(path))
+
+
+# --------------------------------------------------------------- records: classes a format allows
+
+
+@dataclasses.dataclass
+class _Chunk:  # pickled by its module and name: read back only where a Records names it
+    offsets: tuple
+    sizes: tuple
+
+
+def test_a_record_class_is_read_as_its_name_arguments_and_state():
+    from fusectl.io.formats.torch_file import Record, Records, read_pickle
+    name = f"{__name__}._Chunk"
+    data = pickle.dumps({"c": _Chunk((0, 4), (4, 8)), "e": enum_value()}, protocol=4)
+    got = read_pickle(data, "m", Records((name, f"{__name__}._Stage")))
+    assert isinstance(got["c"], Record) and got["c"].name == name
+    assert got["c"].state == {"offsets": (0, 4), "sizes": (4, 8)} and got["c"].field("sizes") == (4, 8)
+    assert got["e"].name == f"{__name__}._Stage" and got["e"].args == (2,)
+    with pytest.raises(CheckpointError, match=f"'{name}', which fusectl refuses"):
+        read_pickle(data, "m", Records((f"{__name__}._Stage",)))  # the same pickle, the class not allowed
+
+
+class _Stage(enum.IntEnum):
+    TWO = 2
+
+
+def enum_value():
+    return _Stage.TWO
+
+
+def test_newobj_is_refused_for_any_global_not_allowed_as_a_record():
+    from fusectl.io.formats.torch_file import Records, read_pickle
+    newobj_of_size = b"\x80\x04\x8c\x05torch\x8c\x04Size\x93)\x81."  # torch.Size.__new__(torch.Size)
+    with pytest.raises(CheckpointError, match="opcode NEWOBJ"):
+        read_pickle(newobj_of_size, "m", Records(()))
+    with pytest.raises(CheckpointError, match="opcode NEWOBJ"):  # a record class given arguments
+        read_pickle(b"\x80\x04\x8c\x01a\x8c\x01B\x93K\x01\x85\x81.", "m", Records(("a.B",)))
+    with pytest.raises(CheckpointError, match="storage"):  # a bare pickle references no storage
+        read_pickle(b"\x80\x04(\x8c\x07storageN\x8c\x01kN\x8c\x03cpuK\x00tQ.", "m", Records(()))

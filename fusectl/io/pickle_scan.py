@@ -47,6 +47,9 @@ class Builds(enum.Enum):
     FROZENSET = "a frozenset of its items"
     DICT = "a dict of its pairs"  # collections.OrderedDict (more may be added: SETITEMS)
     BYTES = "bytes of its text"  # _codecs.encode
+    # an object of a class a format allows (DCP's metadata classes), made by NEWOBJ of no
+    # arguments and given its state by BUILD, or called with arguments (an enum's value)
+    RECORD = "a record of its class, its arguments and its state"
 
 
 # Bytes the unpickler allocates per object (CPython 3.11, 64-bit, measured with tracemalloc and
@@ -612,7 +615,7 @@ class _Calls(_Machine):
     def call(self, func: object, args: object) -> object:
         """What a REDUCE of ``func`` on ``args`` pushes; its size is counted first."""
         builds = func.builds if func.__class__ is _GlobalRef else Builds.OBJECT
-        if builds is Builds.OBJECT:
+        if builds is Builds.OBJECT or builds is Builds.RECORD:
             self.memory += _CALL
             return args if args.__class__ is _Frozen else _COLLIDABLE  # nests no deeper than its arguments
         n = args.first if args.__class__ is _Frozen else 0
@@ -644,6 +647,19 @@ class _Calls(_Machine):
         stack = self.stack
         args = stack.pop()
         stack[-1] = self.call(stack[-1], args)
+
+    @_handles("NEWOBJ")
+    def newobj(self, op: int) -> None:
+        """``cls.__new__(cls)``: only for a class the caller allows as a record, with no arguments
+        (a dataclass's instance, whose state BUILD then sets); refused for any other class."""
+        stack = self.stack
+        cls, args = stack[-2:] if len(stack) - self.fence >= 2 else (None, None)
+        if cls.__class__ is not _GlobalRef or cls.builds is not Builds.RECORD or \
+                args.__class__ is not _Frozen or args.n:
+            _Refused.refuse(self, op)
+        stack.pop()
+        self.memory += _CALL
+        stack[-1] = _COLLIDABLE
 
     @_handles("BUILD")
     def build(self, op: int) -> None:
@@ -700,7 +716,7 @@ class _Refused(_Machine):
 
     __slots__ = ()
 
-    @_handles("INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER")
+    @_handles("INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER")
     def refuse(self, op: int) -> None:
         raise CheckpointError(
             f"{self.where}: the pickle uses opcode {_NAMES[op]} (at byte {self.pos - 1 - self.start}), which "

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import io
 import os
 import pickle
@@ -144,24 +145,48 @@ def read_torch(path: str, key: str | None = None) -> TorchContents:
     return _contents(path, _open_archive(path), key)
 
 
-def read_torch_tree(path: str) -> tuple[object, dict[str, str]]:
+def read_torch_tree(path: str, span: tuple[int, int] | None = None,
+                    records: Records | None = None) -> tuple[object, dict[str, str]]:
     """The whole object of a ``torch.save`` file (zip or legacy format), read through the same
     scan and allow-list as :func:`read_torch`: dicts, lists, tuples, numbers and each tensor a
     lazy tensor checked against its storage; with fusectl's record (``METADATA_RECORD``; empty
     when there is none). For files that are not a state dict, such as a Hugging Face Trainer's
-    ``optimizer.pt`` (an optimizer's ``state_dict()``)."""
-    archive = _open_archive(path)
+    ``optimizer.pt`` (an optimizer's ``state_dict()``).
+
+    ``span`` (offset, length): the zip archive ``torch.save`` wrote at that range of a larger
+    file (one item of a DCP ``.distcp`` file), its tensors file ranges of the whole file.
+    ``records``: the classes beyond the allow-list whose objects the format's files hold
+    (:class:`Records`), each read as a :class:`Record`."""
+    archive = _open_archive(path, span, records)
     return _lazy_tree(path, archive, archive.root), dict(archive.metadata)
 
 
-def _open_archive(path: str) -> "_Archive":
+def read_pickle(data: bytes, where: str, records: Records) -> object:
+    """The object of a bare pickle that is not a ``torch.save`` file (DCP's ``.metadata``): the
+    same scan and allow-list, ``records``' classes read as :class:`Record`; no tensor storage."""
+    scan(data, 0, where, complete=True, allowed=records.scanned)
+    return _Loader(io.BytesIO(data), where, records=records, storages=False).run()
+
+
+def _open_archive(path: str, span: tuple[int, int] | None = None, records: Records | None = None) -> "_Archive":
     with open_input(path) as f:
         size = os.fstat(f.fileno()).st_size
+        if span is not None:
+            offset, length = span
+            if offset < 0 or length < 0 or offset + length > size:
+                raise CheckpointError(f"{printable(path)}: an item of {length} bytes at offset {offset} runs past "
+                                      f"the end of the file ({size} bytes); the file is truncated")
+            f = _Window(f, offset, length)
+            size = length
         head = f.read(4)
         if head == b"PK\x03\x04":
-            return _read_zip(path, f, size)
-        if head[:1] == b"\x80" or head == _LEGACY_TEXT_HEAD:
+            return _read_zip(path, f, size, records)
+        if span is None and (head[:1] == b"\x80" or head == _LEGACY_TEXT_HEAD):
             return _read_legacy(path, f, size)
+        if span is not None:
+            raise CheckpointError(f"{printable(path)}: the item at offset {span[0]} is not a torch.save archive "
+                                  f"(it starts with {head!r}); the file is corrupt or the metadata names the "
+                                  "wrong place")
         shown = "is empty" if size == 0 else f"starts with {head!r}"
         raise CheckpointError(
             f"{printable(path)}: not a PyTorch checkpoint (the file {shown}; torch.save writes a zip "
@@ -285,7 +310,7 @@ class _Archive:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # fusectl's record (METADATA_RECORD)
 
 
-def _read_zip(path: str, f: BinaryIO, size: int) -> _Archive:
+def _read_zip(path: str, f: BinaryIO, size: int, records: Records | None = None) -> _Archive:
     where = printable(path)
     try:
         zf = zipfile.ZipFile(f)
@@ -339,11 +364,13 @@ def _read_zip(path: str, f: BinaryIO, size: int) -> _Archive:
             byteswap = order == b"big"
         data = record(pickle_name, "pickle-bytes")
         pickle_where = f"{where} ({printable(pickle_name)})"
-        scan(data, 0, pickle_where, complete=True, allowed=_SCANNED)
-        loader = _Loader(io.BytesIO(data), pickle_where)
+        scan(data, 0, pickle_where, complete=True, allowed=records.scanned if records else _SCANNED)
+        loader = _Loader(io.BytesIO(data), pickle_where, records=records)
         root = loader.run()
         for storage in loader.storages.values():
             _locate_member(path, f, size, members, f"{prefix}/data/{storage.key}", storage)
+            if storage.source is not None and isinstance(f, _Window):  # a range of the whole file
+                storage.source = _FileSource(path, f.start + storage.source.offset)
         metadata = {}
         if f"{prefix}/{METADATA_RECORD}" in members:  # written by fusectl's torch_writer
             name = f"{prefix}/{METADATA_RECORD}"
@@ -383,6 +410,8 @@ def _locate_member(path: str, f: BinaryIO, size: int, members: dict, name: str, 
         return
     if start is not None:
         storage.source = _FileSource(path, start)
+    elif isinstance(f, _Window):
+        storage.problem = f"its storage record {quote(name)} is compressed, which torch.save never writes"
     elif info.compress_type in (zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
         check_limit("decompressed-bytes", info.file_size, f"{printable(path)}: record {quote(name)}")
         storage.source = _MemberSource(path, name)
@@ -455,6 +484,78 @@ def _past_end(storages: dict[str, _Storage], keys: list[str], first: str, size: 
     for key in keys[keys.index(first):]:
         storages[key].problem = (f"its storage {quote(key)} lies past the end of the file ({size} bytes); "
                                  "the file is truncated")
+
+
+class _Window:
+    """The file-like range ``[start, start + length)`` of an open file: a zip archive that
+    ``torch.save`` wrote inside a larger file, read as a file of its own."""
+
+    def __init__(self, f: BinaryIO, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, offset if whence == 0 else self.pos + offset if whence == 1 else self.length + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n is None or n < 0 else min(n, max(0, self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        self.pos += len(data)
+        return data
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+
+class Record:
+    """An object of a class a format allows beyond the allow-list (``Records``): never an object
+    of that class, only its class's dotted ``name``, the ``args`` it was made with (an enum's
+    value, a path's parts) and its ``state`` (what BUILD gave it: a dataclass's fields)."""
+
+    __slots__ = ("args", "state")
+    name = ""
+
+    def __new__(cls, *args):
+        record = object.__new__(cls)
+        record.args, record.state = args, None
+        return record
+
+    def __setstate__(self, state):
+        if type(state) not in (dict, tuple) or self.state is not None:
+            raise _Malformed(f"BUILD on {self.name} with a state that is not one dict or tuple")
+        self.state = state
+
+    def field(self, key: str, default: object = None) -> object:
+        """A field of a dataclass's state (``default`` where it has none)."""
+        return self.state.get(key, default) if type(self.state) is dict else default
+
+    def __repr__(self) -> str:
+        return f"{self.name}{self.args if self.args else ''}"
+
+
+@dataclass(frozen=True)
+class Records:
+    """The classes a format's pickles hold beyond the allow-list (DCP's metadata classes,
+    DeepSpeed's loss scaler), each read as a :class:`Record` of its own subclass, made by NEWOBJ
+    with no arguments and given a state by BUILD, or called with arguments. Nothing of the real
+    class is imported or run."""
+
+    names: tuple[str, ...]
+
+    @functools.cached_property
+    def classes(self) -> dict[str, type]:
+        return {n: type(n.rsplit(".", 1)[-1], (Record,), {"__slots__": (), "name": n}) for n in self.names}
+
+    @functools.cached_property
+    def scanned(self) -> dict[str, Builds]:
+        return {**_SCANNED, **{n: Builds.RECORD for n in self.names}}
 
 
 # ------------------------------------------------------------------------------- the load (after the scan: io/pickle_scan.py)
@@ -624,9 +725,11 @@ _LOAD_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, Attribu
 
 
 class _Loader(pickle.Unpickler):
-    """Unpickles a scanned pickle with fusectl's stand-ins for the allowed globals."""
+    """Unpickles a scanned pickle with fusectl's stand-ins for the allowed globals (and
+    ``records``' classes); ``storages`` False: a pickle that may reference no storage."""
 
-    def __init__(self, file: BinaryIO, where: str, plain: bool = False):
+    def __init__(self, file: BinaryIO, where: str, plain: bool = False, records: Records | None = None,
+                 storages: bool = True):
         super().__init__(file, encoding="utf-8")
         self.where = where
         self.key_budget = limit("name-bytes")
@@ -635,6 +738,8 @@ class _Loader(pickle.Unpickler):
         self.memory_budget = limit("pickle-memory")
         self.copied = 0  # bytes the calls of _BOUND globals built
         self.plain = plain  # the small pickles of a legacy file's head: no global, no storage
+        self.records = records.classes if records is not None else {}
+        self.has_storages = storages
         self.storages: dict[str, _Storage] = {}
 
     def run(self):
@@ -646,6 +751,8 @@ class _Loader(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         full = f"{module}.{name}"
+        if not self.plain and full in self.records:
+            return self.records[full]
         if self.plain or full not in _GLOBALS:  # the scan refused it already: a second lock
             raise CheckpointError(f"{self.where}: the pickle calls {quote(full[:200])}, which fusectl refuses")
         if full in _BOUND:  # these hash or copy what they are given: counted
@@ -712,7 +819,8 @@ class _Loader(pickle.Unpickler):
                 "reference as text instead of a tuple; torch.load cannot read such a file either (\"saved_id "
                 "must be a tuple\"), so fusectl does not guess at it. Load it with the PyTorch that wrote it and "
                 "save it again with torch.save's default protocol")
-        if self.plain or type(pid) is not tuple or len(pid) not in (5, 6) or pid[0] != "storage":
+        if self.plain or not self.has_storages or type(pid) is not tuple or len(pid) not in (5, 6) or \
+                pid[0] != "storage":
             raise _Malformed("a persistent id that is not a storage")
         storage_type, key, location, numel = pid[1:5]
         if len(pid) == 6 and pid[5] is not None:
