@@ -28,7 +28,8 @@ class InspectReport:
     ``ignored`` what a PyTorch file held that is not a tensor; ``quantization`` and
     ``adapter`` the scales and LoRA modules found (None when there are none); ``optimizer``
     a training dict's optimizer state (:func:`optimizer_report`; None when there is none);
-    ``twins`` the copies of the model beside it (:func:`twins_report`).
+    ``twins`` the copies of the model beside it (:func:`twins_report`); ``distributed`` how
+    many ranks wrote it (``world_size``, a ZeRO ``stage``; None for a checkpoint one process wrote).
     ``suspected_ties`` and ``constant_groups_skipped`` are None unless ties were detected.
     """
 
@@ -46,6 +47,7 @@ class InspectReport:
     adapter: dict | None
     optimizer: dict | None = None
     twins: list[dict] = field(default_factory=list)
+    distributed: dict | None = None
     suspected_ties: list[list[str]] | None = None
     constant_groups_skipped: int | None = None
 
@@ -64,6 +66,7 @@ class InspectReport:
             "adapter": self.adapter,
             "optimizer": self.optimizer,
             "twins": self.twins,
+            "distributed": self.distributed,
         }
         if self.suspected_ties is not None:
             report["suspected_ties"] = self.suspected_ties
@@ -76,6 +79,8 @@ class InspectReport:
         summary = self.summary
         lines = [f"{self.path}: {self.format}, {len(self.files)} file(s), {summary['unique_count']} unique "
                  f"parameters, {human(summary['total_bytes'])}"]
+        if self.distributed is not None:
+            lines.append("written by " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.distributed.items()))
         if self.state_dict_key is not None:
             lines.append(f"state dict: {printable(self.state_dict_key)} (pass {option_name('key')} to choose another)")
         if self.ignored:
@@ -136,6 +141,7 @@ def inspect_checkpoint(c: Checkpoint, path: str | None = None, *, detect_ties: b
         adapter=c.followers.report("lora"),
         optimizer=optimizer_report(c),
         twins=twins_report(c),
+        distributed=c.distributed,
     )
     if not detect_ties:
         return report

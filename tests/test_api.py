@@ -60,7 +60,8 @@ def test_inspect_report_is_the_cli_json_bit_for_bit(cli, name, options, detect):
 def test_inspect_json_keys_in_their_documented_order():
     keys = list(fusectl.inspect(str(FIXTURES / "fp8-llama"), detect_ties=True).to_json())
     assert keys == ["format", "files", "parameters", "ties", "unique_count", "total_bytes", "provenance",
-                    "config", "state_dict_key", "ignored", "quantization", "adapter", "optimizer", "twins", "suspected_ties",
+                    "config", "state_dict_key", "ignored", "quantization", "adapter", "optimizer", "twins", "distributed",
+                    "suspected_ties",
                     "constant_groups_skipped"]
 
 

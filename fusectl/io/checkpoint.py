@@ -17,7 +17,7 @@ from ..followers import Followers, Source, detect
 from ..followers.optimizer import refuse_separator
 from ..table import ParamTable
 from ..ties import aliases_from_config, aliases_from_metadata, apply_aliases, merge_aliases
-from .registry import WEIGHT_SUFFIXES, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
+from .registry import WEIGHT_SUFFIXES, folder_format, format_of, pick_in_folder, takes_key  # noqa: F401 (takes_key: for the CLI)
 from .optimizer_state import OptimizerState, ParamMap, Training, Twin, map_parameters, \
     possible_parameters, read_order, recorded_orders, state_tensors
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
@@ -66,6 +66,8 @@ class Checkpoint:
     # the names the input lists, in its order (a state dict's, a safetensors header's); empty:
     # the table's order (``input_order``)
     key_order: list[str] = field(default_factory=list)
+    # a checkpoint many ranks wrote: how (Contents.distributed: world size, ZeRO stage); None otherwise
+    distributed: dict | None = None
 
     def input_order(self) -> list[str]:
         """The input's names in the order it lists them (``fusectl.key_order``): a state dict's
@@ -274,7 +276,12 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     companions: list[Companion] = []
-    if os.path.isdir(path):
+    whole = folder_format(path) if os.path.isdir(path) else None
+    if whole is not None:  # a folder many ranks wrote: read as one checkpoint by its format's reader
+        target, fmt, folder = path, whole, path
+        boundary = LinkBoundary.around(folder, allow_outside_links)
+        trainer = None
+    elif os.path.isdir(path):
         folder = _model_folder(path, allow_outside_links)
         boundary = LinkBoundary.around(folder, allow_outside_links, named=path)
         target, fmt = pick_in_folder(folder, exclude=is_trainer_file)
@@ -293,6 +300,10 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         raise CheckpointError(f"{target}: {option_name('key')} selects a state dict inside a PyTorch file (torch.save's, "
                               "under any name); this checkpoint is not one, so leave it out")
     contents = fmt.read(target, key=key, check_link=boundary.check)
+    if whole is not None:  # the folder's other files travel with it (its config.json)
+        read = {os.path.realpath(f) for f in contents.files}
+        companions = [c for c in list_companions(folder, boundary)
+                      if os.sep not in c.relative and not c.is_dir and os.path.realpath(c.source) not in read]
     stored, metadata, provenance_text = contents.tensors, contents.metadata, contents.provenance_text
 
     table = ParamTable.from_stored(stored)
@@ -319,9 +330,10 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
     }
     training = contents.training if contents.training is not None else trainer
     listed = contents.order if contents.order is not None else [*stored, *contents.aliases]
-    return Checkpoint(path, fmt.name, list(contents.files), table, passthrough, provenance, config, config_path,
-                      companions, contents.state_dict_key, list(contents.ignored), training, param_order,
-                      param_order_from_model, key_order=[n for n in listed if n in table])
+    return Checkpoint(path, contents.variant or fmt.name, list(contents.files), table, passthrough, provenance,
+                      config, config_path, companions, contents.state_dict_key, list(contents.ignored), training,
+                      param_order, param_order_from_model, key_order=[n for n in listed if n in table],
+                      distributed=dict(contents.distributed) if contents.distributed is not None else None)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,10 @@ class Contents:
     MXNet export's RNN operator in its ``-symbol.json``), used where there is no config.json;
     None: none. ``order``: every name of ``tensors`` and ``aliases`` in the order the file lists
     them (a state dict's, its tied names in their places), where that is not ``tensors``' order
-    followed by ``aliases``'; None: it is.
+    followed by ``aliases``'; None: it is. ``variant``: the format's name where one reader reads
+    several (``"deepspeed-zero2"``); None: the registry row's. ``distributed``: for a checkpoint
+    many ranks wrote, how (``world_size``, and what the format adds: its ZeRO stage); None
+    otherwise.
     """
 
     tensors: Mapping[str, LazyTensor]
@@ -47,6 +50,8 @@ class Contents:
     training: object = None
     config: Mapping[str, object] | None = None
     order: Sequence[str] | None = None
+    variant: str | None = None
+    distributed: Mapping[str, object] | None = None
 
     @property
     def optimizer(self):

@@ -30,7 +30,7 @@ from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
 from .output import FolderWriter, Output, single_file
 from .formats.safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
-from .sniff import MXNET_SUFFIXES, is_mxnet, is_pytorch
+from .sniff import MXNET_SUFFIXES, deepspeed_kind, is_dcp_folder, is_mxnet, is_pytorch
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class Format:
     before ``told_by``), ``folder_rank`` (where it comes when a folder is
     read: lower first; None: never picked in a folder), ``listed_as`` (how a folder holding no
     weights lists it), ``takes_key`` (``key`` selects a state dict) and ``output`` (how it is
-    written; None: it is not)."""
+    written; None: it is not), ``folder`` (for a format whose checkpoint is a folder of its
+    own, what torch.distributed.checkpoint and DeepSpeed write: whether a folder is one; its
+    reader is given the folder)."""
 
     name: str
     suffixes: tuple[str, ...]
@@ -54,6 +56,8 @@ class Format:
     listed_as: str | None = None
     takes_key: bool = False
     output: Output | None = None
+    # a format whose checkpoint is a folder of its own (what many ranks wrote): whether a folder is one
+    folder: Callable[[str], bool] | None = None
 
 
 def _lazy(module: str, function: str) -> Reader:
@@ -98,6 +102,12 @@ FORMATS: tuple[Format, ...] = (
     # never picked in a folder: an export's folder holds PREFIX-symbol.json and one params file per epoch
     Format("mxnet", MXNET_SUFFIXES, _lazy("mxnet_params", "read_mxnet"), sniffed=is_mxnet,
            output=Output(single_file(_lazy_writer("mxnet_params", "MXNetWriter")), indexed=False)),
+    # folders many ranks wrote: read as the one checkpoint they hold together
+    Format("dcp", (".distcp",), _lazy("dcp", "read_dcp"), folder=is_dcp_folder),
+    Format("deepspeed-zero", (), _lazy("deepspeed_zero", "read_zero"),
+           folder=lambda path: deepspeed_kind(path) == "zero"),
+    Format("deepspeed-universal", (), _lazy("deepspeed_universal", "read_universal"),
+           folder=lambda path: deepspeed_kind(path) == "universal"),
 )
 
 # files of formats fusectl does not read that hold weights all the same
@@ -115,6 +125,12 @@ def format_named(name: str) -> Format:
         if fmt.name == name:
             return fmt
     raise KeyError(name)
+
+
+def folder_format(path: str) -> Format | None:
+    """The format whose checkpoint the folder ``path`` is as a whole (a DCP folder, a DeepSpeed
+    checkpoint); None for any other folder (a Hugging Face folder: its weight file is read)."""
+    return next((f for f in FORMATS if f.folder is not None and f.folder(path)), None)
 
 
 def format_by_suffix(path: str) -> Format | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import struct
 from typing import BinaryIO
 
@@ -53,7 +54,12 @@ _PICKLE_PROTOCOLS = tuple(bytes([0x80, p]) for p in range(2, pickle.HIGHEST_PROT
 _TORCH_VERSION_RECORDS = frozenset({"version", ".data/version", "byteorder"})
 _SHOWN_MEMBERS = 5
 READS = ("fusectl reads torch.save files (under any name), .safetensors, .npz and .onnx files, MXNet .params "
-         "files, and folders holding them")
+         "files, folders holding them, and the folders torch.distributed.checkpoint and DeepSpeed write")
+
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's plan of the folder: a pickle
+DEEPSPEED_LATEST = ("latest", "latest_universal")  # the files naming the tag folder DeepSpeed loads
+_DEEPSPEED_MODEL_STATES = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]+_model_states\.pt")
+UNIVERSAL_FOLDER = "zero"  # ds_to_universal's folder of one folder per parameter
 
 
 def check_pytorch(path: str) -> None:
@@ -88,6 +94,29 @@ def is_mxnet(path: str) -> bool:
             return f.read(8) == struct.pack("<Q", MXNET_LIST_MAGIC)
     except CheckpointError:
         return False
+
+
+def is_dcp_folder(path: str) -> bool:
+    """Whether the folder ``path`` is a checkpoint ``torch.distributed.checkpoint`` wrote: it
+    holds ``.metadata`` (FSDP, torchtitan, accelerate's ``pytorch_model_fsdp_0/``)."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, DCP_METADATA))
+
+
+def deepspeed_kind(path: str) -> str | None:
+    """What DeepSpeed checkpoint the folder ``path`` is: ``"zero"`` for its save folder (a
+    ``latest`` file naming the tag folder) or a tag folder (``global_stepN/``, holding a model
+    states file); ``"universal"`` for a universal checkpoint (``ds_to_universal``'s folder:
+    ``zero/`` beside the model states; or a save folder naming one in ``latest_universal``
+    alone); None for any other folder. Only names are looked at."""
+    if not os.path.isdir(path):
+        return None
+    names = set(os.listdir(path))
+    states = any(_DEEPSPEED_MODEL_STATES.fullmatch(n) for n in names)
+    if states and UNIVERSAL_FOLDER in names and os.path.isdir(os.path.join(path, UNIVERSAL_FOLDER)):
+        return "universal"
+    if states or DEEPSPEED_LATEST[0] in names:
+        return "zero"
+    return "universal" if DEEPSPEED_LATEST[1] in names else None
 
 
 def describe_head(head: bytes, size: int) -> tuple[str, str]:
