@@ -453,3 +453,12 @@ def test_a_folder_without_deepspeed_files_is_not_read_as_one(tmp_path):
     (tmp_path / TAG).mkdir()
     with pytest.raises(CheckpointError, match="no ZeRO optimizer states files"):
         read_zero(str(tmp_path))
+
+
+def test_a_rank_file_linked_from_outside_the_folder_is_refused(hostile, tmp_path):
+    folder = hostile.copy("zero2")
+    outside = tmp_path / "elsewhere.pt"
+    shutil.move(_optim(folder, 1), outside)
+    os.symlink(outside, _optim(folder, 1))
+    hostile.refused(folder, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    ok(run_cli("inspect", folder, "--follow-symlinks"))  # read when the user allows it

@@ -87,7 +87,7 @@ def read_universal(path: str, key: str | None = None, check_link: Callable[[str]
     for k, group in enumerate(states.groups):
         step = _group_step(optimizer, k, optimizer_path)
         for name, shape in group:
-            weights[name], moments[name] = _parameter(zero, name, shape, check, files)
+            weights[name], moments[name] = _parameter(zero, name, shape, states_path, check, files)
             if "step" not in moments[name] and step is not None:  # ZeRO 3's: no step.pt
                 moments[name] = {"step": step(), **moments[name]}
     frozen = _frozen(folder, states, states_path, check, files)
@@ -131,9 +131,10 @@ def _group_step(optimizer: dict, k: int, path: str) -> Callable[[], object] | No
     return lambda: RangesTensor(value.spec, tuple(ranges))
 
 
-def _parameter(zero: str, name: str, shape: tuple[int, ...], check, files: list[str]) -> tuple[LazyTensor, dict]:
+def _parameter(zero: str, name: str, shape: tuple[int, ...], states_path: str, check,
+               files: list[str]) -> tuple[LazyTensor, dict]:
     """(the fp32 weight, the optimizer state) of parameter ``name`` from its folder, each tensor
-    shaped like the parameter; ``files`` gets each file read."""
+    shaped like the parameter (``shape``, as ``states_path`` gives it); ``files`` gets each file read."""
     folder = os.path.join(zero, _folder_name(name, printable(zero), CheckpointError))
     check(folder)
     if not os.path.isdir(folder) or not os.path.lexists(os.path.join(folder, f"{WEIGHT}.pt")):
@@ -150,13 +151,14 @@ def _parameter(zero: str, name: str, shape: tuple[int, ...], check, files: list[
         tensor = tree.get("param") if isinstance(tree, dict) else tree
         if not isinstance(tensor, LazyTensor):
             raise CheckpointError(f"{printable(file)}: holds no tensor ('param'); not what ds_to_universal writes")
-        if key == "step" or not tensor.spec.shape:
+        if key != WEIGHT and (key == "step" or not tensor.spec.shape):  # a per-parameter number
             state[key] = tensor
             continue
         ranges = tensor.byte_ranges()
         if tensor.spec.numel != math.prod(shape) or ranges is None:
             raise CheckpointError(f"{printable(file)}: a {tensor.spec} tensor{'' if ranges else ' not stored as plain bytes'}"
-                                  f", but {quote(name)} is {list(shape)}; the file is of another model or corrupt")
+                                  f", but {printable(states_path)} gives {quote(name)} the shape {list(shape)}; the "
+                                  "files are of two models, or one is corrupt")
         shaped = RangesTensor(TensorSpec(tensor.spec.dtype, shape), tuple(ranges))
         if key == WEIGHT:
             weight = shaped

@@ -598,7 +598,8 @@ class _Stage12(_Layout):
             raise self._short(g, total, offset)
 
     def _short(self, g: int, total: int, needed: int) -> CheckpointError:
-        return CheckpointError(f"{printable(self.ranks[0].path)}: the partitions of flat group {g} hold {total} "
+        files = printable(self.ranks[0].path) + ("" if self.world == 1 else f" … {printable(self.ranks[-1].path)}")
+        return CheckpointError(f"{files}: the partitions of flat group {g} hold {total} "
                                f"elements on {self.world} ranks, but the shapes {printable(self.states.path)} gives "
                                f"(with their padding) need {needed}; they do not add up — a rank file is truncated, "
                                "of another save, or edited")
