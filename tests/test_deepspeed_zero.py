@@ -25,7 +25,7 @@ import fusectl
 from conftest import FIXTURES, ok, refused, run_cli, snapshot
 from fusectl.errors import CheckpointError
 from fusectl.io.formats.deepspeed_zero import RECORDS, read_zero
-from fusectl.io.formats.safetensors_file import read_safetensors_index
+from fusectl.io.formats.safetensors_file import read_safetensors
 from fusectl.io.formats.torch_file import read_torch, read_torch_tree
 from fusectl.io.formats.torch_writer import write_torch_file
 from fusectl.tensors import ByteRange, FileTensor, TensorSpec
@@ -174,7 +174,7 @@ def test_convert_to_pt_writes_the_weights_and_the_optimizer_state(tmp_path, name
 def test_convert_to_a_folder_writes_hugging_face_safetensors(tmp_path):
     out = tmp_path / "out"
     ok(run_cli("convert", DIST / "zero2-tied", "-o", out))
-    index = read_safetensors_index(str(out / "model.safetensors.index.json"))
+    index = read_safetensors(str(out / "model.safetensors"))  # one file (rank files are no shards)
     ref = _reference(DIST, "zero2-tied")
     assert sorted(index.tensors) == sorted(ref.tensors)
     assert all(_bytes(index.tensors[k]) == _bytes(t) for k, t in ref.tensors.items())
@@ -462,3 +462,12 @@ def test_a_rank_file_linked_from_outside_the_folder_is_refused(hostile, tmp_path
     os.symlink(outside, _optim(folder, 1))
     hostile.refused(folder, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     ok(run_cli("inspect", folder, "--follow-symlinks"))  # read when the user allows it
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero3-universal"])
+def test_a_folder_output_is_not_cut_along_the_rank_files(tmp_path, name):
+    # the ranks' files (a universal checkpoint's one file per tensor) are no shards of the model:
+    # a folder output holds it in one file up to --max-shard-size's default
+    out = tmp_path / "out"
+    ok(run_cli("convert", DIST / name, "-o", out))
+    assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == ["model.safetensors"]
