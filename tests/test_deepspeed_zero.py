@@ -89,7 +89,8 @@ def _saved_groups(root: Path, name: str) -> list[dict]:
     """The base optimizer's param groups as DeepSpeed saved them in rank 0's file."""
     tree, _ = read_torch_tree(str(root / name / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"), records=RECORDS)
     node = tree["optimizer_state_dict"]
-    return (node["optimizer_state_dict"] if "fp32_flat_groups" in node else node["base_optimizer_state"])["param_groups"]
+    base = node["optimizer_state_dict"] if "fp32_flat_groups" in node else node["base_optimizer_state"]
+    return base["param_groups"]
 
 
 @pytest.mark.parametrize("root,name", CASES, ids=IDS)

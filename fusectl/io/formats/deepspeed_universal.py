@@ -40,8 +40,8 @@ from ..contents import Contents
 from ..key_path import KeyPath, key_text, node_at
 from ..optimizer_state import NAMES_KEY, parse_optimizer
 from ..sniff import DEEPSPEED_LATEST, UNIVERSAL_FOLDER
-from .deepspeed_zero import MODEL_STATES, RECORDS, ModelStates, frozen_parameters, frozen_stage3, group_names, param_groups, read_tree, \
-    stage_of, tag_folder, training_contents
+from .deepspeed_zero import MODEL_STATES, RECORDS, ModelStates, frozen_parameters, frozen_stage3, group_names, \
+    listing, param_groups, read_tree, stage_of, tag_folder, training_contents
 from .torch_file import read_torch_tree
 
 OPTIMIZER_STATE = "optimizer_state.pt"  # zero/'s file of the optimizer's global state
@@ -140,7 +140,7 @@ def _parameter(zero: str, name: str, shape: tuple[int, ...], states_path: str, c
     if not os.path.isdir(folder) or not os.path.lexists(os.path.join(folder, f"{WEIGHT}.pt")):
         raise CheckpointError(f"{printable(os.path.join(folder, WEIGHT + '.pt'))}: missing; the model states name "
                               f"{quote(name)} a trained parameter, whose weight a universal checkpoint keeps there")
-    keys = sorted(n[:-3] for n in os.listdir(folder) if n.endswith(".pt") and n != f"{WEIGHT}.pt")
+    keys = [n[:-3] for n in listing(folder) if n.endswith(".pt") and n != f"{WEIGHT}.pt"]
     keys.sort(key=lambda k: k != "step")  # torch's optimizer lists the step first
     weight, state = None, {}
     for key in [WEIGHT, *keys]:
@@ -156,8 +156,9 @@ def _parameter(zero: str, name: str, shape: tuple[int, ...], states_path: str, c
             continue
         ranges = tensor.byte_ranges()
         if tensor.spec.numel != math.prod(shape) or ranges is None:
-            raise CheckpointError(f"{printable(file)}: a {tensor.spec} tensor{'' if ranges else ' not stored as plain bytes'}"
-                                  f", but {printable(states_path)} gives {quote(name)} the shape {list(shape)}; the "
+            stored = "" if ranges else " not stored as plain bytes"
+            raise CheckpointError(f"{printable(file)}: a {tensor.spec} tensor{stored}, but {printable(states_path)} "
+                                  f"gives {quote(name)} the shape {list(shape)}; the "
                                   "files are of two models, or one is corrupt")
         shaped = RangesTensor(TensorSpec(tensor.spec.dtype, shape), tuple(ranges))
         if key == WEIGHT:

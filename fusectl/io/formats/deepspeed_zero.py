@@ -97,7 +97,7 @@ def tag_folder(path: str, latest: str, check_link: Callable[[str], None]) -> tup
     :raises CheckpointError: no model states and no ``latest``; a ``latest`` that holds a path,
         ``..``, no name, or the name of nothing that is a folder.
     """
-    names = _listing(path)
+    names = listing(path)
     if any(_MODEL_STATES.fullmatch(n) or _RANK_MODEL_STATES.fullmatch(n) for n in names):
         return path, None
     marker = os.path.join(path, latest)
@@ -125,7 +125,8 @@ def tag_folder(path: str, latest: str, check_link: Callable[[str], None]) -> tup
     return folder, marker
 
 
-def _listing(path: str) -> list[str]:
+def listing(path: str) -> list[str]:
+    """The names in the folder ``path``, sorted; CheckpointError naming it when it cannot be listed."""
     try:
         return sorted(os.listdir(path))
     except OSError as e:
@@ -154,7 +155,7 @@ class _RankFiles:
 
 def _rank_files(folder: str) -> _RankFiles:
     model, optim, shared = {}, {}, None
-    for name in _listing(folder):
+    for name in listing(folder):
         path = os.path.join(folder, name)
         if _EXPERT_STATES.fullmatch(name):
             raise CheckpointError(f"{printable(path)}: an expert-parallel (MoE) file; fusectl reads data-parallel "
@@ -172,8 +173,9 @@ def _rank_files(folder: str) -> _RankFiles:
             rank = int(found.group(2) if found.re is _OPTIM_STATES else found.group(1))
             files = optim if found.re is _OPTIM_STATES else model
             if rank in files:
-                raise CheckpointError(f"{printable(folder)}: two files for rank {rank}, {quote(os.path.basename(files[rank]))} "
-                                      f"and {quote(name)}; remove the one an older save left")
+                raise CheckpointError(f"{printable(folder)}: two files for rank {rank}, "
+                                      f"{quote(os.path.basename(files[rank]))} and {quote(name)}; remove the one an "
+                                      "older save left")
             files[rank] = path
     return _RankFiles(model, shared, optim)
 
@@ -281,19 +283,19 @@ def read_zero(path: str, key: str | None = None, check_link: Callable[[str], Non
     stage, world = optim[first].stage, optim[first].world
     for rank in range(world):
         if rank not in files.optim:
-            raise CheckpointError(f"{printable(os.path.join(folder, f'zero_pp_rank_{rank}_mp_rank_00_optim_states.pt'))}:"
-                                  f" missing; {printable(first)} was written by {world} ranks, and every rank's file "
-                                  "is needed")
+            missing = os.path.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+            raise CheckpointError(f"{printable(missing)}: missing; {printable(first)} was written by {world} ranks, "
+                                  "and every rank's file is needed")
     for rank in sorted(files.optim):
         file = files.optim[rank]
         if rank >= world:
-            raise CheckpointError(f"{printable(file)}: the file of rank {rank}, but {printable(first)} says {world} ranks "
-                                  "wrote the checkpoint; the folder mixes two saves — remove the stale files")
+            raise CheckpointError(f"{printable(file)}: the file of rank {rank}, but {printable(first)} says {world} "
+                                  "ranks wrote the checkpoint; the folder mixes two saves — remove the stale files")
         if file not in optim:
             optim[file] = _optimizer_states(read_tree(file, check), file)
         if (optim[file].stage, optim[file].world) != (stage, world):
-            raise CheckpointError(f"{printable(file)}: ZeRO stage {optim[file].stage} on {optim[file].world} ranks, but "
-                                  f"{printable(first)} says stage {stage} on {world}; the folder mixes two saves")
+            raise CheckpointError(f"{printable(file)}: ZeRO stage {optim[file].stage} on {optim[file].world} ranks, "
+                                  f"but {printable(first)} says stage {stage} on {world}; the folder mixes two saves")
     ranks = [optim[files.optim[r]] for r in range(world)]
     model_files = _model_files(folder, files, stage, world)
     states = [ModelStates.read(f, check) for f in model_files]
@@ -683,7 +685,8 @@ def frozen_stage3(states: Sequence[ModelStates], world: int) -> dict[str, LazyTe
 # ------------------------------------------------------------------------------- the training state
 
 
-def group_names(param_groups: Sequence[dict], shapes: Sequence[Sequence[tuple[str, tuple]]], path: str) -> list[list[str]]:
+def group_names(param_groups: Sequence[dict], shapes: Sequence[Sequence[tuple[str, tuple]]],
+                path: str) -> list[list[str]]:
     """The parameters of each of the base optimizer's ``param_groups``, by name: a group's ids
     are flat groups (ZeRO 3: sub-groups), whose parameters ``shapes`` (``param_shapes``) lists.
 
