@@ -42,7 +42,7 @@ from .trainer_output import write_trainer_folder
 from .training_output import left_out, model_steps, model_ties, moves_state, write_container, write_training, \
     writes_training
 from .twins import MovedTwin, move_twins
-from .write import write_table
+from .write import DEFAULT_SHARD_SIZE, write_table
 
 if TYPE_CHECKING:  # imported where a rule is loaded or bound: the rule language and its op
     # registry are most of what a command that binds no rule (inspect) would otherwise load
@@ -409,6 +409,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     view = checkpoint.followers.view
     if view is not None and lora_base is not None and checkpoint.provenance and checkpoint.provenance.lora_base:
         lora_base = checkpoint.provenance.lora_base + lora_base
+    if max_shard_size is None and checkpoint.distributed is not None:  # rank files are no shards to mirror
+        max_shard_size = DEFAULT_SHARD_SIZE
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
                          companions=companions, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, stem=view.stem if view is not None else "model",

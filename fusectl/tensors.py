@@ -10,7 +10,7 @@ from functools import cached_property
 import numpy as np
 
 from .dtypes import DType
-from .errors import CheckpointError
+from .errors import CheckpointError, InternalError
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,29 @@ class FileTensor(LazyTensor):
     def read(self) -> np.ndarray:
         """Read its range into a fresh array."""
         return read_ranges((self.location,), self.spec)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class RangesTensor(LazyTensor):
+    """A tensor whose bytes are several file ranges laid end to end, in C order: a parameter
+    that each rank of a distributed checkpoint holds a piece of, in a file of its own. Nothing
+    is read until asked; a writer copies it range by range."""
+
+    spec: TensorSpec
+    ranges: tuple[ByteRange, ...]
+
+    def __post_init__(self):
+        if sum(r.length for r in self.ranges) != self.spec.nbytes:
+            raise InternalError(f"ranges of {sum(r.length for r in self.ranges)} bytes for a {self.spec} tensor "
+                                f"of {self.spec.nbytes}")
+
+    def byte_ranges(self) -> tuple[ByteRange, ...]:
+        """Its ranges, in order."""
+        return self.ranges
+
+    def read(self) -> np.ndarray:
+        """Read its ranges into one fresh array."""
+        return read_ranges(self.ranges, self.spec)
 
 
 @dataclass(frozen=True, eq=False)

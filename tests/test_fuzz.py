@@ -628,3 +628,120 @@ def test_fuzzed_mxnet_symbol(tmp_path, case):
     symbol.write_text(dumps(_symbol_mutation(rng, json.loads((folder / f"{stem}-symbol.json").read_text()))))
     problem = torch_problem(params, read_mxnet, named=symbol)
     assert problem is None, f"symbol case {case} (seed {SEED}): {problem}"
+
+
+# ------------------------------------------------------------------ DeepSpeed ZeRO rank files
+
+_ZERO_FILES = [("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"), ("zero2", "mp_rank_00_model_states.pt"),
+               ("zero3", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+               ("zero3", "zero_pp_rank_1_mp_rank_00_model_states.pt")]
+
+
+@pytest.mark.parametrize("name,file", _ZERO_FILES, ids=[f"{n}/{f}" for n, f in _ZERO_FILES])
+def test_fuzzed_deepspeed_zero_file(tmp_path, name, file):
+    # one rank's file of a ZeRO folder, its pickle mutated (re-zipped, so its CRC holds) or its
+    # bytes: the folder reads, every weight and optimizer state with it, or is refused naming the file
+    from fusectl.io.formats.deepspeed_zero import read_zero
+    rng = random.Random(f"{SEED}-zero-{name}-{file}")
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / "distributed" / name, folder)
+    path = folder / "global_step3" / file
+    data = path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        records = [(n, zf.read(n)) for n in zf.namelist()]
+    pkl_name = next(n for n, _ in records if n.endswith("/data.pkl"))
+
+    def read(_):
+        contents = read_zero(str(folder))
+        optimizer = contents.training.tree()["optimizer"]
+        for entry in optimizer["state"].values():
+            for value in entry.values():
+                value.read()
+        return contents
+
+    problems = []
+    for case in range(TORCH_CASES):
+        if case % 2:
+            path.write_bytes(_mutated(data, rng))
+        else:
+            with zipfile.ZipFile(path, "w") as zf:
+                for record, value in records:
+                    zf.writestr(record, _mutated(value, rng) if record == pkl_name else value)
+        problem = torch_problem(path, read=read)
+        if problem:
+            problems.append(f"{name}/{file} mutation {case} (seed {SEED}): {problem}")
+    assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
+
+
+def _tree_spots(node, found):
+    """Every (container, key) of a tree of dicts and lists, depth first."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        found.append((node, key))
+        _tree_spots(value, found)
+    return found
+
+
+def _odd_value(rng: random.Random, old):
+    """What a corrupt or edited DeepSpeed file might hold instead of ``old``: another kind of
+    value, a number out of range, a tensor cut short or made 0-d, a dict or list short of an item."""
+    from fusectl.tensors import ByteRange, FileTensor, LazyTensor, TensorSpec
+    choices = [None, -1, 0, 1, 7, 10**12, 3.5, "x", [], {}, [1, 2], (5,), ("a",), True]
+    ranges = old.byte_ranges() if isinstance(old, LazyTensor) else None
+    if ranges:
+        size, n = old.spec.dtype.itemsize, max(0, old.spec.numel - rng.randint(0, 3))
+        choices += [FileTensor(TensorSpec(old.spec.dtype, (n,)), ByteRange(ranges[0].path, ranges[0].offset, n * size)),
+                    FileTensor(TensorSpec(old.spec.dtype, ()), ByteRange(ranges[0].path, ranges[0].offset, size))]
+    if isinstance(old, dict) and old:
+        choices.append({k: v for k, v in old.items() if k != rng.choice(list(old))})
+    if isinstance(old, list) and old:
+        choices += [old[:-1], old + old[-1:]]
+    if isinstance(old, tuple):
+        choices += [tuple(x + 1 if type(x) is int else x for x in old), old[:-1]]
+    return rng.choice(choices)
+
+
+_DEEPSPEED_FOLDERS = [("distributed", "zero2"), ("distributed", "zero3-tied"), ("deepspeed-padded", "zero2"),
+                      ("deepspeed-padded", "zero3"), ("distributed", "zero2-universal"),
+                      ("deepspeed-padded", "zero3-universal")]
+
+
+@pytest.mark.parametrize("root,name", _DEEPSPEED_FOLDERS, ids=[f"{r}/{n}" for r, n in _DEEPSPEED_FOLDERS])
+def test_fuzzed_deepspeed_trees(tmp_path, root, name):
+    # a file of a ZeRO or universal folder read, a value or two of its tree replaced, written back:
+    # the folder reads, every tensor with it, or is refused naming the file
+    from fusectl.io.formats.deepspeed_universal import read_universal
+    from fusectl.io.formats.deepspeed_zero import RECORDS, read_zero
+    from fusectl.io.formats.torch_file import read_torch_tree
+    from fusectl.io.formats.torch_writer import write_torch_file
+    rng = random.Random(f"{SEED}-zero-tree-{root}-{name}")
+    reader = read_universal if name.endswith("universal") else read_zero
+    problems = []
+    for case in range(TORCH_CASES):
+        folder = tmp_path / str(case) / name
+        shutil.copytree(FIXTURES / root / name, folder)
+        path = rng.choice(sorted(folder.rglob("*.pt")))
+        tree, record = read_torch_tree(str(path), records=RECORDS)
+        for _ in range(rng.randint(1, 2)):
+            spots = _tree_spots(tree, [])
+            if spots:
+                node, key = rng.choice(spots)
+                node[key] = _odd_value(rng, node[key])
+        try:
+            write_torch_file(f"{path}.new", tree, metadata=record)
+        except FusectlError:  # a tree torch cannot hold either
+            continue
+        os.replace(f"{path}.new", path)
+
+        def read(_):
+            contents = reader(str(folder))
+            for entry in contents.training.tree()["optimizer"]["state"].values():
+                for value in entry.values():
+                    if not isinstance(value, (int, float)):
+                        value.read()
+            return contents
+
+        problem = torch_problem(path, read=read)
+        if problem:
+            problems.append(f"{root}/{name} {path.relative_to(folder)} case {case} (seed {SEED}): {problem}")
+    assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fusectl.dtypes import BY_NAME
-from fusectl.errors import CheckpointError
-from fusectl.tensors import ArrayTensor, ByteRange, FileTensor, LazyTensor, TensorSpec, read_ranges
+from fusectl.errors import CheckpointError, InternalError
+from fusectl.tensors import ArrayTensor, ByteRange, FileTensor, LazyTensor, RangesTensor, TensorSpec, read_ranges
 
 
 def test_spec_sizes_and_text():
@@ -35,6 +35,19 @@ def test_ranges_from_two_files_make_one_array(tmp_path):
     got = read_ranges((ByteRange(str(tmp_path / "a"), 0, 8), ByteRange(str(tmp_path / "b"), 2, 8)),
                       TensorSpec(BY_NAME["I16"], (2, 4)))
     np.testing.assert_array_equal(got, np.arange(8, dtype=np.int16).reshape(2, 4))
+
+
+def test_a_ranges_tensor_is_its_ranges_end_to_end(tmp_path):
+    # a parameter whose pieces two ranks' files hold (io/formats/deepspeed_zero)
+    a, b = np.arange(4, dtype=np.int16), np.arange(4, 8, dtype=np.int16)
+    (tmp_path / "a").write_bytes(a.tobytes())
+    (tmp_path / "b").write_bytes(b"xx" + b.tobytes())
+    ranges = (ByteRange(str(tmp_path / "a"), 0, 8), ByteRange(str(tmp_path / "b"), 2, 8))
+    tensor = RangesTensor(TensorSpec(BY_NAME["I16"], (2, 4)), ranges)
+    assert tensor.byte_ranges() == ranges
+    np.testing.assert_array_equal(tensor.read(), np.arange(8, dtype=np.int16).reshape(2, 4))
+    with pytest.raises(InternalError, match="ranges of 16 bytes"):  # a reader's bug, never a file's
+        RangesTensor(TensorSpec(BY_NAME["I16"], (3, 4)), ranges)
 
 
 def test_a_truncated_file_names_the_file_and_what_happened(tmp_path):

@@ -26,7 +26,7 @@ from fusectl.errors import CheckpointError, InternalError, OutputError
 from fusectl.io.checkpoint import open_checkpoint
 from fusectl.io.registry import format_named, output_kind
 from fusectl.io.formats.safetensors_file import read_safetensors
-from fusectl.io.formats.torch_file import METADATA_RECORD, read_pytorch, read_torch, read_torch_tree
+from fusectl.io.formats.torch_file import METADATA_RECORD, Records, read_pytorch, read_torch, read_torch_tree
 from fusectl.io.formats.torch_writer import TorchWriter, _Pickler, crc_of_ranges, write_torch_file
 from fusectl.tensors import ArrayTensor, ByteRange, FileTensor, LazyTensor, TensorSpec
 
@@ -284,6 +284,26 @@ def test_sets_complex_numbers_and_bytes_are_pickled_as_python_pickles_them(tmp_p
     out = tmp_path / "m.pt"
     write_torch_file(str(out), {"w": tensor("F32", (2,)), "value": value})
     assert read_torch_tree(str(out))[0]["value"] == value
+
+
+def test_records_are_pickled_as_python_pickles_the_objects_they_stand_for(tmp_path):
+    # a format's own classes (DeepSpeed's loss scaler, its stage enum) read as records and
+    # written back: an object made by NEWOBJ with its state (BUILD), an enum called with its value
+    import argparse
+    import http
+    records = Records(("argparse.Namespace", "http.HTTPStatus"))
+    namespace = records.classes["argparse.Namespace"]()
+    namespace.__setstate__({"lr": 0.1, "betas": (0.9, 0.999)})
+    status = records.classes["http.HTTPStatus"](200)
+    for record, real in ((namespace, argparse.Namespace(lr=0.1, betas=(0.9, 0.999))), (status, http.HTTPStatus.OK)):
+        assert _Pickler("m.pt").dump(record) == pickle.dumps(real, protocol=2)
+    out = tmp_path / "m.pt"
+    write_torch_file(str(out), {"args": namespace, "status": status, "again": namespace})
+    back = read_torch_tree(str(out), records=records)[0]
+    assert back["again"] is back["args"]  # one object, memoized
+    assert (back["args"].name, back["args"].args, back["args"].state) == \
+        ("argparse.Namespace", (), {"lr": 0.1, "betas": (0.9, 0.999)})
+    assert (back["status"].name, back["status"].args, back["status"].state) == ("http.HTTPStatus", (200,), None)
 
 
 def test_a_folder_that_does_not_exist_is_an_output_error(tmp_path):

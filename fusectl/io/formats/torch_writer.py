@@ -47,7 +47,7 @@ from ...errors import CheckpointError, InternalError, OutputError, quote
 from ...tensors import ByteRange, LazyTensor, TensorSpec
 from ...ties import aliases_from_metadata
 from ..streaming import COPY_BUFFER, Writeback, copy_ranges, read_chunks, write_all
-from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES
+from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES, Record
 
 ALIGNMENT = 64
 _ARCHIVE_VERSION = b"3\n"
@@ -66,7 +66,8 @@ def write_torch_file(path: str, root: object, *, on_progress: Progress | None = 
 
     ``root`` is a tree of dicts (str or int keys, in their order; a ``collections.OrderedDict``
     is written as one, as ``model.state_dict()`` is, any other dict as a dict), lists, tuples,
-    ints, floats, bools, None, strs and tensors (:class:`~fusectl.tensors.LazyTensor`). A tensor
+    ints, floats, bools, None, strs, tensors (:class:`~fusectl.tensors.LazyTensor`) and the
+    records the reader gives for a format's own classes (``torch_file.Record``). A tensor
     object met twice is one tensor (``torch.load`` gives one object, one storage). Each
     storage's bytes come from its tensor's ``byte_ranges()`` when it has them, else from
     ``read()``; ``on_progress(n)`` is called with each storage's byte count once it is written.
@@ -177,6 +178,7 @@ def _archive_name(path: str) -> str:
 _MARK, _STOP, _TUPLE, _EMPTY_TUPLE, _REDUCE, _BINPERSID = b"(", b".", b"t", b")", b"R", b"Q"
 _EMPTY_DICT, _EMPTY_LIST, _SETITEM, _SETITEMS, _APPEND, _APPENDS = b"}", b"]", b"s", b"u", b"a", b"e"
 _NONE, _NEWTRUE, _NEWFALSE, _POP, _POP_MARK = b"N", b"\x88", b"\x89", b"0", b"1"
+_NEWOBJ, _BUILD = b"\x81", b"b"
 _TUPLE_N = {1: b"\x85", 2: b"\x86", 3: b"\x87"}
 _BATCH = 1000  # pickle's batch of APPENDS / SETITEMS
 
@@ -276,6 +278,8 @@ class _Pickler:
             self.dict_(obj, where)
         elif isinstance(obj, (LazyTensor, _Slot, _Alias)):
             self.tensor(obj, where)
+        elif isinstance(obj, Record):
+            self.record(obj, where)
         else:
             raise OutputError(f"{self.path}: {where} is a {kind.__name__}, which fusectl does not write to a PyTorch "
                               "file (it writes dicts, lists, tuples, sets, strings, bytes, numbers, booleans, None "
@@ -302,6 +306,23 @@ class _Pickler:
         self.put()
         self.out += _REDUCE
         self.memoize(obj)
+
+    def record(self, obj: Record, where: str) -> None:
+        """An object of a class a format's files hold beyond the allow-list, as the reader gave it
+        (:class:`~fusectl.io.formats.torch_file.Record`: DeepSpeed's loss scaler, its ZeRO stage
+        enum), pickled as protocol 2 pickles the object itself: its class called with its
+        arguments (an enum's value), or made by NEWOBJ with none; then its state by BUILD."""
+        module, _, name = obj.name.rpartition(".")
+        self.global_(module, name)
+        if obj.args:
+            self.tuple_(obj.args, f"{where}'s arguments")
+            self.out += _REDUCE
+        else:
+            self.out += _EMPTY_TUPLE + _NEWOBJ
+        self.memoize(obj)
+        if obj.state is not None:
+            self.save(obj.state, f"{where}'s state")
+            self.out += _BUILD
 
     def tuple_(self, obj: tuple, where: str) -> None:
         if not obj:
