@@ -184,6 +184,17 @@ def test_convert_to_a_folder_writes_hugging_face_safetensors(tmp_path):
     assert reopened.table.unique_name("lm_head.weight") == "model.embed_tokens.weight"
 
 
+def test_deepspeeds_own_scripts_in_the_save_folder_do_not_travel_into_a_folder_output(tmp_path):
+    """DeepSpeed copies zero_to_fp32.py and zero_to_torch.py into every save folder: its code,
+    not the model's files; the folder's config.json travels."""
+    folder = tmp_path / "zero2"
+    shutil.copytree(DIST / "zero2", folder)
+    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+        (folder / script).write_text("# DeepSpeed's script\n")
+    ok(run_cli("convert", folder, "-o", tmp_path / "out"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
 def _phi3_order(tmp_path: Path) -> Path:
     """The parameter order of Phi3ForCausalLM of the tiny Llama's sizes (o_proj before qkv_proj),
     as the training fixtures' reference records it."""

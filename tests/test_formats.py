@@ -61,12 +61,12 @@ def sample(name: str, tmp_path: Path) -> Path:
     return next(folder.glob("*.index.json"))
 
 
-NAMES = [f.name for f in FORMATS if f.folder is None]  # the formats of files (folder formats: test_dcp.py, ...)
+NAMES = [f.name for f in FORMATS if f.folder is None]  # the formats of files (folder formats: test_deepspeed_zero.py, test_deepspeed_universal.py)
 
 
 def test_the_checkpoint_format_names_stay():
     assert NAMES == ["safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx", "mxnet"]
-    assert [f.name for f in FORMATS if f.folder] == ["dcp", "deepspeed-zero", "deepspeed-universal"]
+    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal"]
     assert [format_named(n).name for n in NAMES] == NAMES
     with pytest.raises(KeyError):
         format_named("gguf")
@@ -199,8 +199,7 @@ def test_an_output_path_is_written_by_the_row_its_suffix_names(tmp_path):
 
 def test_weight_files_are_every_rows_and_the_formats_fusectl_does_not_read():
     assert set(WEIGHT_SUFFIXES) == {".safetensors", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth",
-                                    ".bin", ".ckpt", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5", ".params", ".nd",
-                                    ".distcp"}
+                                    ".bin", ".ckpt", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5", ".params", ".nd"}
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

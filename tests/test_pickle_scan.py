@@ -78,9 +78,9 @@ FAMILIES = {
                      "EMPTY_SET", "LIST", "DICT", "APPENDS", "SETITEMS", "ADDITEMS", "APPEND", "SETITEM"},
     ps._Memo: {"BINPUT", "LONG_BINPUT", "MEMOIZE", "PUT", "BINGET", "LONG_BINGET", "GET"},
     ps._Stack: {"MARK", "POP", "POP_MARK", "DUP"},
-    ps._Calls: {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "BINPERSID", "PERSID"},
+    ps._Calls: {"GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "NEWOBJ", "BINPERSID", "PERSID"},
     ps._Framing: {"PROTO", "FRAME", "STOP"},
-    ps._Refused: {"INST", "OBJ", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"},
+    ps._Refused: {"INST", "OBJ", "NEWOBJ_EX", "EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"},
 }
 
 

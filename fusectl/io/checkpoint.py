@@ -23,6 +23,7 @@ from .optimizer_state import OptimizerState, ParamMap, Training, Twin, map_param
 from .hf_cache import cache_repository, pick_snapshot, snapshot_repository
 from .provenance import METADATA_KEY, Provenance
 from .formats.trainer_folder import OPTIMIZER_FILES, TrainerOptimizer, is_trainer_file, trainer_optimizer
+from .sniff import DEEPSPEED_SCRIPTS
 from .untrusted import check_regular_file, load_json, read_json_bytes, read_json_file
 
 
@@ -300,10 +301,11 @@ def open_checkpoint(path: str, config_path: str | None = None, allow_outside_lin
         raise CheckpointError(f"{target}: {option_name('key')} selects a state dict inside a PyTorch file (torch.save's, "
                               "under any name); this checkpoint is not one, so leave it out")
     contents = fmt.read(target, key=key, check_link=boundary.check)
-    if whole is not None:  # the folder's other files travel with it (its config.json)
+    if whole is not None:  # the folder's other files travel with it (its config.json), not DeepSpeed's scripts
         read = {os.path.realpath(f) for f in contents.files}
         companions = [c for c in list_companions(folder, boundary)
-                      if os.sep not in c.relative and not c.is_dir and os.path.realpath(c.source) not in read]
+                      if os.sep not in c.relative and not c.is_dir and os.path.realpath(c.source) not in read
+                      and c.relative not in DEEPSPEED_SCRIPTS]
     stored, metadata, provenance_text = contents.tensors, contents.metadata, contents.provenance_text
 
     table = ParamTable.from_stored(stored)

@@ -30,7 +30,7 @@ from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
 from .output import FolderWriter, Output, single_file
 from .formats.safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
-from .sniff import MXNET_SUFFIXES, deepspeed_kind, is_dcp_folder, is_mxnet, is_pytorch
+from .sniff import MXNET_SUFFIXES, deepspeed_kind, is_mxnet, is_pytorch
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,6 @@ FORMATS: tuple[Format, ...] = (
     Format("mxnet", MXNET_SUFFIXES, _lazy("mxnet_params", "read_mxnet"), sniffed=is_mxnet,
            output=Output(single_file(_lazy_writer("mxnet_params", "MXNetWriter")), indexed=False)),
     # folders many ranks wrote: read as the one checkpoint they hold together
-    Format("dcp", (".distcp",), _lazy("dcp", "read_dcp"), folder=is_dcp_folder),
     Format("deepspeed-zero", (), _lazy("deepspeed_zero", "read_zero"),
            folder=lambda path: deepspeed_kind(path) == "zero"),
     Format("deepspeed-universal", (), _lazy("deepspeed_universal", "read_universal"),

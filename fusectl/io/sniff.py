@@ -54,11 +54,12 @@ _PICKLE_PROTOCOLS = tuple(bytes([0x80, p]) for p in range(2, pickle.HIGHEST_PROT
 _TORCH_VERSION_RECORDS = frozenset({"version", ".data/version", "byteorder"})
 _SHOWN_MEMBERS = 5
 READS = ("fusectl reads torch.save files (under any name), .safetensors, .npz and .onnx files, MXNet .params "
-         "files, folders holding them, and the folders torch.distributed.checkpoint and DeepSpeed write")
+         "files, folders holding them, and the folders DeepSpeed writes")
 
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's plan of the folder: a pickle
 DEEPSPEED_LATEST = ("latest", "latest_universal")  # the files naming the tag folder DeepSpeed loads
 _DEEPSPEED_MODEL_STATES = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]+_model_states\.pt")
+# the scripts DeepSpeed copies into its save folder: its own code, never part of the model's files
+DEEPSPEED_SCRIPTS = frozenset({"zero_to_fp32.py", "zero_to_torch.py"})
 UNIVERSAL_FOLDER = "zero"  # ds_to_universal's folder of one folder per parameter
 
 
@@ -94,12 +95,6 @@ def is_mxnet(path: str) -> bool:
             return f.read(8) == struct.pack("<Q", MXNET_LIST_MAGIC)
     except CheckpointError:
         return False
-
-
-def is_dcp_folder(path: str) -> bool:
-    """Whether the folder ``path`` is a checkpoint ``torch.distributed.checkpoint`` wrote: it
-    holds ``.metadata`` (FSDP, torchtitan, accelerate's ``pytorch_model_fsdp_0/``)."""
-    return os.path.isdir(path) and os.path.lexists(os.path.join(path, DCP_METADATA))
 
 
 def deepspeed_kind(path: str) -> str | None:
