@@ -239,3 +239,8 @@ def json_copy(node):
     if isinstance(node, list):
         return [json_copy(v) for v in node]
     return node
+
+
+def test_a_universal_folder_without_its_model_states_is_refused(spoiled):
+    (spoiled.folder / TAG / "mp_rank_00_model_states.pt").unlink()
+    spoiled.refused("mp_rank_00_model_states.pt", "missing")

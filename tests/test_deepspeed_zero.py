@@ -483,3 +483,16 @@ def test_a_folder_output_is_not_cut_along_the_rank_files(tmp_path, name):
     out = tmp_path / "out"
     ok(run_cli("convert", DIST / name, "-o", out))
     assert sorted(n for n in os.listdir(out) if n.endswith(".safetensors")) == ["model.safetensors"]
+
+
+def test_a_latest_that_is_not_utf8_is_refused(hostile):
+    folder = hostile.copy("zero2")
+    (folder / "latest").write_bytes(b"\xff\xfeglobal_step3")
+    hostile.refused(folder, "latest")
+
+
+def test_a_zero3_model_states_file_of_a_rank_that_wrote_no_optimizer_states_is_refused(hostile):
+    folder = hostile.copy("zero3")
+    tag = folder / TAG
+    shutil.copy(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt", tag / "zero_pp_rank_2_mp_rank_00_model_states.pt")
+    hostile.refused(folder, "zero_pp_rank_2_mp_rank_00_model_states.pt", "mixes two saves")
