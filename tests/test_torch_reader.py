@@ -955,3 +955,25 @@ def test_newobj_is_refused_for_any_global_not_allowed_as_a_record():
         read_pickle(b"\x80\x04\x8c\x01a\x8c\x01B\x93K\x01\x85\x81.", "m", Records(("a.B",)))
     with pytest.raises(CheckpointError, match="storage"):  # a bare pickle references no storage
         read_pickle(b"\x80\x04(\x8c\x07storageN\x8c\x01kN\x8c\x03cpuK\x00tQ.", "m", Records(()))
+
+
+def test_a_torch_save_zip_inside_a_larger_file_is_read_at_its_span(tmp_path):
+    """One item of a DCP .distcp file: a whole torch.save archive at an offset; its tensors are
+    ranges of the larger file, and a span past the file's end or onto other bytes is refused."""
+    from fusectl.io.formats.torch_file import read_torch_tree
+    from fusectl.io.formats.torch_writer import write_torch_file
+    from fusectl.tensors import ArrayTensor, TensorSpec
+    from fusectl import dtypes
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    write_torch_file(str(tmp_path / "item.pt"), {"w": ArrayTensor(TensorSpec(dtypes.BY_NAME["F32"], (3, 4)), array)},
+                     metadata={})
+    item = (tmp_path / "item.pt").read_bytes()
+    big = tmp_path / "__0_0.distcp"
+    big.write_bytes(b"x" * 1000 + item + b"y" * 500)
+    tree, _ = read_torch_tree(str(big), span=(1000, len(item)))
+    assert tree["w"].byte_ranges()[0].offset > 1000
+    np.testing.assert_array_equal(tree["w"].read(), array)
+    with pytest.raises(CheckpointError, match="runs past the end of the file"):
+        read_torch_tree(str(big), span=(1000, len(item) + 501))
+    with pytest.raises(CheckpointError, match="is not a torch.save archive"):
+        read_torch_tree(str(big), span=(999, len(item)))

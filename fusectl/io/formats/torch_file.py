@@ -10,8 +10,8 @@ Unpickling runs code chosen by the file, so this module never lets it:
 
 1. Every pickle is first *scanned* (opcode by opcode, nothing constructed): a global outside
    the allow-list below, or an opcode that builds arbitrary objects (``INST``, ``OBJ``,
-   ``NEWOBJ``, extension codes, out-of-band buffers), refuses the file before anything else
-   happens. ``STACK_GLOBAL`` names are followed through the memo. The scan also bounds the work
+   ``NEWOBJ`` — except of a class a format's reader allows as a record, :class:`Records` —,
+   extension codes, out-of-band buffers), refuses the file before anything else happens. ``STACK_GLOBAL`` names are followed through the memo. The scan also bounds the work
    the pickle asks for (``pickle-bytes``, ``pickle-opcodes``, ``pickle-items``, ``pickle-depth``,
    ``pickle-hash-keys``, ``integer-digits``, ``pickle-memory``): a pickle that builds a huge list
    is refused in about the time it takes to read it; so is a tuple nested so deep that hashing it
