@@ -66,11 +66,11 @@ NAMES = [f.name for f in FORMATS if f.folder is None]  # the formats of files (f
 
 def test_the_checkpoint_format_names_stay():
     assert NAMES == ["safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx", "mxnet"]
-    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal"]
+    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal", "dcp"]
     assert [format_named(n).name for n in NAMES] == NAMES
     with pytest.raises(KeyError):
         format_named("gguf")
-    assert [f.name for f in FORMATS if f.takes_key] == ["pytorch"]
+    assert [f.name for f in FORMATS if f.takes_key] == ["pytorch", "dcp"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -199,7 +199,7 @@ def test_an_output_path_is_written_by_the_row_its_suffix_names(tmp_path):
 
 def test_weight_files_are_every_rows_and_the_formats_fusectl_does_not_read():
     assert set(WEIGHT_SUFFIXES) == {".safetensors", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth",
-                                    ".bin", ".ckpt", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5", ".params", ".nd"}
+                                    ".bin", ".ckpt", ".npz", ".onnx", ".onnx_data", ".msgpack", ".h5", ".params", ".nd", ".distcp"}
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

@@ -60,6 +60,7 @@ DEEPSPEED_LATEST = ("latest", "latest_universal")  # the files naming the tag fo
 _DEEPSPEED_MODEL_STATES = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]+_model_states\.pt")
 # the scripts DeepSpeed copies into its save folder: its own code, never part of the model's files
 DEEPSPEED_SCRIPTS = frozenset({"zero_to_fp32.py", "zero_to_torch.py"})
+DCP_METADATA = ".metadata"  # the index of a torch.distributed.checkpoint folder
 UNIVERSAL_FOLDER = "zero"  # ds_to_universal's folder of one folder per parameter
 
 
@@ -95,6 +96,12 @@ def is_mxnet(path: str) -> bool:
             return f.read(8) == struct.pack("<Q", MXNET_LIST_MAGIC)
     except CheckpointError:
         return False
+
+
+def is_dcp_folder(path: str) -> bool:
+    """Whether ``path`` is a torch.distributed.checkpoint folder: one holding a ``.metadata``
+    (only names are looked at)."""
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, DCP_METADATA))
 
 
 def deepspeed_kind(path: str) -> str | None:

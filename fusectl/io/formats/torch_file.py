@@ -709,6 +709,25 @@ def _globals() -> dict[str, object]:
 
 _GLOBALS = _globals()
 ALLOWED_GLOBALS = frozenset(_GLOBALS)
+
+
+def dtype_of(value: object) -> DType | None:
+    """The dtype a ``torch.<dtype>`` global read from a pickle stands for (DCP's
+    TensorProperties hold one); None for any other value or a dtype fusectl does not read."""
+    return value.dtype if isinstance(value, _Inert) and value.name in _DTYPE_GLOBALS else None
+
+
+def dtype_global(dtype: DType) -> object:
+    """``torch.<dtype>`` as the reader gives it, for a tree the writer pickles (a DCP
+    ``.metadata``'s TensorProperties)."""
+    name = next(n for n, d in _DTYPE_NAMES.items() if d == dtype.safetensors)
+    return _GLOBALS[f"torch.{name}"]
+
+
+def global_name(value: object) -> str | None:
+    """The dotted name of an allowed global the reader gave as a marker (a dtype, a storage
+    class), for the writer to pickle it as that global; None for any other value."""
+    return value.name if isinstance(value, _Inert) else None
 # allowed globals that copy what they are given (the others build an object of a fixed size)
 _BUILDS = {"torch.Size": Builds.TUPLE, "builtins.set": Builds.SET, "__builtin__.set": Builds.SET,
            "builtins.frozenset": Builds.FROZENSET, "__builtin__.frozenset": Builds.FROZENSET,

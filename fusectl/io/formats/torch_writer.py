@@ -47,7 +47,7 @@ from ...errors import CheckpointError, InternalError, OutputError, quote
 from ...tensors import ByteRange, LazyTensor, TensorSpec
 from ...ties import aliases_from_metadata
 from ..streaming import COPY_BUFFER, Writeback, copy_ranges, read_chunks, write_all
-from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES, Record
+from .torch_file import DTYPE_NAMES, METADATA_RECORD, STORAGE_CLASSES, Record, global_name
 
 ALIGNMENT = 64
 _ARCHIVE_VERSION = b"3\n"
@@ -93,6 +93,18 @@ def write_torch_file(path: str, root: object, *, on_progress: Progress | None = 
         os.unlink(path)  # no half-written file left behind
         raise
     archive.close()
+
+
+def pickle_tree(root: object, where: str) -> bytes:
+    """``root`` as a bare protocol-2 pickle, as ``pickle.dump`` writes it, for a file that is not
+    a torch.save archive (DCP's ``.metadata``): the same tree as :func:`write_torch_file` takes,
+    records and dtype globals included, but no tensors. OutputError naming ``where`` for
+    anything else."""
+    pickler = _Pickler(where)
+    pickled = pickler.dump(root)
+    if pickler.storages:
+        raise OutputError(f"{where}: holds a tensor, which a bare pickle cannot hold")
+    return pickled
 
 
 class TorchWriter:
@@ -280,6 +292,8 @@ class _Pickler:
             self.tensor(obj, where)
         elif isinstance(obj, Record):
             self.record(obj, where)
+        elif global_name(obj) is not None:  # a dtype global read from a pickle (DCP's TensorProperties)
+            self.global_(*global_name(obj).rsplit(".", 1))
         else:
             raise OutputError(f"{self.path}: {where} is a {kind.__name__}, which fusectl does not write to a PyTorch "
                               "file (it writes dicts, lists, tuples, sets, strings, bytes, numbers, booleans, None "
@@ -376,7 +390,7 @@ class _Pickler:
             if not single:
                 self.out += _MARK
             for key, value in batch:
-                if type(key) not in (str, int):
+                if type(key) not in (str, int) and not isinstance(key, Record):  # DCP's storage_data: records
                     raise OutputError(f"{self.path}: {where} has a key {quote(repr(key)[:80])} of type "
                                       f"{type(key).__name__}; fusectl writes dicts keyed by strings or integers")
                 self.save(key, where)

@@ -1,0 +1,397 @@
+"""torch.distributed.checkpoint (DCP) folders, read without torch.
+
+``dcp.save(state_dict, checkpoint_id=DIR)`` — what FSDP (``SHARDED_STATE_DICT``, ``fully_shard``),
+torchtitan and accelerate write — leaves a folder that holds
+
+- ``.metadata``: a pickle of ``torch.distributed.checkpoint.metadata.Metadata``:
+  ``state_dict_metadata`` (per flattened key, a ``TensorStorageMetadata`` — the tensor's global
+  ``size``, its ``properties`` (dtype first) and ``chunks``, each the ``offsets`` and ``sizes``
+  of the block one rank wrote — or a ``BytesStorageMetadata`` for any other value),
+  ``planner_data`` (per flattened key, the key path in the nested dict that was saved:
+  ``("optim", "param_groups", 0, "lr")``) and ``storage_data`` (per chunk, a ``MetadataIndex``
+  of its key and offsets → a ``filesystem._StorageInfo``: the file, byte offset and length);
+- ``__R_N.distcp``: what rank R wrote, each item a complete ``torch.save`` archive at its
+  offset (a tensor chunk, or a value).
+
+:func:`read_dcp` gives what torch's ``dcp_to_torch_save`` writes: the nested dict rebuilt from
+``planner_data`` in ``state_dict_metadata``'s order, each tensor whole at its global size. A
+tensor cut along its first dimension only (FSDP's ``Shard(0)``) is the file ranges of its
+chunks one after another (:class:`~fusectl.tensors.RangesTensor`: consolidating copies file
+ranges, it never holds the model); any other cut is assembled block by block when read, one
+tensor at a time. The model's state dict is the tree's ``model`` entry (or the one dict of
+tensors beside the optimizer, or the top level when it holds the tensors), the optimizer the
+entry training code names so (``optim``: ``get_state_dict``'s form, keyed by parameter name).
+
+Every pickle is read through ``torch_file``'s scanned, allow-listed unpickler, DCP's classes as
+inert records (:data:`RECORDS`): nothing of torch is imported, nothing in ``.metadata`` runs
+(torch 2.13 loads it with an unrestricted ``pickle.load``). The layout is checked as data
+before anything is written — chunks past their tensor, overlapping or leaving holes, a chunk
+with no storage entry, a file named outside the folder or missing, an item that is not the
+chunk it is said to be, a key path that contradicts another — each a CheckpointError naming
+the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Callable, Mapping
+
+import numpy as np
+
+from ...errors import CheckpointError, printable, quote
+from ...limits import check_limit, limit
+from ...tensors import LazyTensor, RangesTensor, TensorSpec
+from ..contents import Contents
+from ..key_path import KeyPath, key_text
+from ..optimizer_state import Training, find_optimizer
+from ..provenance import METADATA_KEY
+from ..sniff import DCP_METADATA
+from ..untrusted import open_input, read_json_file
+from .torch_file import Record, Records, dtype_of, global_name, read_pickle, read_torch_tree
+
+_META = "torch.distributed.checkpoint.metadata."
+# the classes a DCP ``.metadata`` holds, read as inert records (never imported)
+RECORDS = Records((
+    *(_META + n for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                          "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.serialization._get_layout",
+    "pathlib.PosixPath", "pathlib._local.PosixPath",  # StorageMeta's checkpoint_id
+))
+
+METADATA_FILE = "fusectl_metadata.json"  # fusectl's record (its provenance) in a DCP folder it wrote
+_RANK_FILE = re.compile(r"__([0-9]{1,6})_([0-9]{1,6})\.distcp")
+_HOW = "the folder is not what torch.distributed.checkpoint writes, or it is corrupt"
+
+
+def read_dcp(path: str, key: str | None = None, check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`~fusectl.io.contents.Contents` of the DCP folder ``path``.
+
+    :param path: the folder (one of its ``.distcp`` files is refused: name the folder).
+    :param key: the top-level entry that holds the model's state dict (None: ``model``, else the
+        one dict of tensors beside the optimizer, else the top level).
+    :param check_link: called with each file before it is read (the input's link boundary).
+    :returns: the model's tensors, each at its global size; the whole tree as ``training``
+        (``dcp_to_torch_save``'s, every entry kept); ``distributed`` ``{"world_size": the ranks
+        whose files the folder holds}``; fusectl's record from ``fusectl_metadata.json``.
+    :raises CheckpointError: naming the file: a ``.metadata`` that is not DCP's or holds a class
+        outside the allow-list, chunks that do not tile their tensor, a missing or truncated
+        ``.distcp`` file, an item that is not what the metadata says, contradicting key paths.
+    """
+    check = check_link or (lambda p: None)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{printable(path)}: one file of a torch.distributed.checkpoint folder; name the folder "
+                              f"that holds it and its {DCP_METADATA}")
+    meta_path = os.path.join(path, DCP_METADATA)
+    check(meta_path)
+    layout = _Layout.read(meta_path)
+    where = printable(meta_path)
+    check_limit("tensors", len(layout.entries), where)
+    files: dict[str, str] = {}
+
+    def file_of(info: dict) -> str:
+        name = info["relative_path"]
+        if name not in files:
+            full = os.path.join(path, name)
+            check(full)
+            if not os.path.lexists(full):
+                raise CheckpointError(f"{printable(full)}: missing; {where} keeps items there (a rank's file: copy "
+                                      "the whole folder)")
+            files[name] = full
+        return files[name]
+
+    values: dict[str, object] = {}
+    for fqn, entry in layout.entries.items():
+        if entry.name == _META + "BytesStorageMetadata":
+            info = layout.location(fqn, None)
+            values[fqn], _ = read_torch_tree(file_of(info), span=(info["offset"], info["length"]))
+        else:
+            values[fqn] = _tensor(fqn, entry, layout, file_of, where)
+    tree = _unflatten(values, layout.planner, where)
+    record = _record(path, check)
+    ranks = {int(m.group(1)) for n in [*files, *_listing(path)] if (m := _RANK_FILE.fullmatch(n))}
+    model_path, optimizer_path, problem = _model_path(tree, key, where)
+    model = _node(tree, model_path)
+    tensors = {str(k): v for k, v in model.items() if isinstance(v, LazyTensor)}
+    ignored = [str(k) for k, v in model.items() if not isinstance(v, LazyTensor)]
+    whole = model_path or ignored or optimizer_path is not None
+    training = Training(path, model_path, optimizer_path, lambda: tree, problem) if whole else None
+    read = [meta_path, *(files[n] for n in sorted(files))]
+    if record is not None:
+        read.append(os.path.join(path, METADATA_FILE))
+    record = record or {}
+    return Contents(tensors, read, record, record.get(METADATA_KEY), state_dict_key=key_text(model_path) or None,
+                    ignored=ignored, training=training, distributed={"world_size": len(ranks)})
+
+
+class _Layout:
+    """What ``.metadata`` says: ``entries`` (flattened key → its TensorStorageMetadata or
+    BytesStorageMetadata record, in the file's order), ``planner`` (flattened key → key path) and
+    the storage of each chunk (:meth:`location`)."""
+
+    def __init__(self, where: str, entries: dict, planner: dict, storage: dict):
+        self.where, self.entries, self.planner, self._storage = where, entries, planner, storage
+
+    @classmethod
+    def read(cls, path: str) -> "_Layout":
+        where = printable(path)
+        with open_input(path) as f:
+            check_limit("pickle-bytes", os.fstat(f.fileno()).st_size, where)
+            data = f.read()
+        root = _state(read_pickle(data, where, RECORDS), "Metadata", where, "the file")
+        entries = root.get("state_dict_metadata")
+        if type(entries) is not dict or any(type(k) is not str for k in entries):
+            raise CheckpointError(f"{where}: its state_dict_metadata is not a dict of keys; {_HOW}")
+        kinds = (_META + "TensorStorageMetadata", _META + "BytesStorageMetadata")
+        for fqn, entry in entries.items():
+            if not isinstance(entry, Record) or entry.name not in kinds:
+                raise CheckpointError(f"{where}: the entry of {quote(fqn)} is {_shown(entry)}, not a tensor's or a "
+                                      f"value's storage metadata; {_HOW}")
+        planner = root.get("planner_data") or {}
+        if type(planner) is not dict:
+            raise CheckpointError(f"{where}: its planner_data is not a dict of key paths; {_HOW}")
+        storage: dict[tuple, dict] = {}
+        raw = root.get("storage_data")
+        if type(raw) is not dict:
+            raise CheckpointError(f"{where}: its storage_data is not a dict; {_HOW}")
+        for index, info in raw.items():
+            index = _state(index, "MetadataIndex", where, "a storage_data key")
+            fqn, offset = index.get("fqn"), index.get("offset")
+            if type(fqn) is not str or not (offset is None or _ints(offset)):
+                raise CheckpointError(f"{where}: a storage_data key names {_shown(fqn)} at {_shown(offset)}; {_HOW}")
+            info = _state(info, "_StorageInfo", where, f"the storage of {quote(fqn)}",
+                          module="torch.distributed.checkpoint.filesystem.")
+            storage_key = (fqn, tuple(offset) if offset is not None else None)
+            if storage_key in storage:
+                raise CheckpointError(f"{where}: the chunk of {quote(fqn)} at {list(offset or ())} has two storage "
+                                      f"entries; {_HOW}")
+            storage[storage_key] = _checked_info(info, fqn, where)
+        return cls(where, entries, planner, storage)
+
+    def location(self, fqn: str, offsets: tuple[int, ...] | None) -> dict:
+        """The storage of ``fqn``'s chunk at ``offsets`` (None: a value's): the file, offset, length."""
+        found = self._storage.get((fqn, offsets))
+        if found is None:
+            at = "" if offsets is None else f"'s chunk at {list(offsets)}"
+            raise CheckpointError(f"{self.where}: {quote(fqn)}{at} has no storage entry (no file holds it); {_HOW}")
+        return found
+
+
+def _state(value: object, cls: str, where: str, what: str, module: str = _META) -> dict:
+    """The fields of ``value``, a record of DCP's class ``cls``; CheckpointError otherwise."""
+    if not isinstance(value, Record) or value.name != module + cls or type(value.state) is not dict:
+        raise CheckpointError(f"{where}: {what} is {_shown(value)}, not DCP's {cls}; {_HOW}")
+    return value.state
+
+
+def _shown(value: object) -> str:
+    return quote(value.name) if isinstance(value, Record) else quote(repr(value)[:80])
+
+
+def _ints(value: object) -> bool:
+    """Whether ``value`` is a tuple or list of non-negative ints (a torch.Size reads as a tuple)."""
+    return type(value) in (tuple, list) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _checked_info(info: dict, fqn: str, where: str) -> dict:
+    name, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
+    if type(name) is not str or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise CheckpointError(f"{where}: the storage of {quote(fqn)} names the file {_shown(name)}; a DCP item lies in "
+                              "a file of the folder itself — fusectl follows no path out of it")
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+        raise CheckpointError(f"{where}: the storage of {quote(fqn)} is at offset {_shown(offset)}, length "
+                              f"{_shown(length)}; {_HOW}")
+    if info.get("transform_descriptors"):
+        raise CheckpointError(f"{where}: the storage of {quote(fqn)} is transformed "
+                              f"({_shown(info['transform_descriptors'])}); fusectl reads plain DCP items only")
+    return {"relative_path": name, "offset": offset, "length": length}
+
+
+def _tensor(fqn: str, entry: Record, layout: _Layout, file_of: Callable[[dict], str], where: str) -> LazyTensor:
+    """The tensor ``fqn`` at its global size from its chunks, each checked against its item."""
+    state = entry.state if type(entry.state) is dict else {}
+    size, chunks = state.get("size"), state.get("chunks")
+    if not _ints(size) or len(size) > limit("dims") or type(chunks) is not list:
+        raise CheckpointError(f"{where}: the tensor {quote(fqn)} has size {_shown(size)} and chunks "
+                              f"{_shown(chunks)}; {_HOW}")
+    spec = TensorSpec(_dtype(fqn, state.get("properties"), where), tuple(size))
+    check_limit("chunks", len(chunks), f"{where}: {quote(fqn)}")
+    blocks = []
+    for chunk in chunks:
+        fields = _state(chunk, "ChunkStorageMetadata", where, f"a chunk of {quote(fqn)}")
+        offsets, sizes = fields.get("offsets"), fields.get("sizes")
+        if not _ints(offsets) or not _ints(sizes) or len(offsets) != len(size) or len(sizes) != len(size) or \
+                any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise CheckpointError(f"{where}: a chunk of {quote(fqn)} {list(spec.shape)} is at offsets "
+                                  f"{_shown(offsets)} with sizes {_shown(sizes)}: past the tensor's bounds; {_HOW}")
+        blocks.append((tuple(offsets), tuple(sizes)))
+    _check_tiling(fqn, spec, blocks, where)
+    pieces = []
+    for offsets, sizes in blocks:
+        info = layout.location(fqn, offsets)
+        file = file_of(info)
+        item, _ = read_torch_tree(file, span=(info["offset"], info["length"]))
+        expected = TensorSpec(spec.dtype, sizes)
+        if not isinstance(item, LazyTensor) or item.spec != expected:
+            got = item.spec if isinstance(item, LazyTensor) else "no tensor"
+            raise CheckpointError(f"{printable(file)}: the item at offset {info['offset']} holds {got}, but {where} "
+                                  f"says it is the chunk of {quote(fqn)} at {list(offsets)}, {expected}; the files "
+                                  "are of two checkpoints, or one is corrupt")
+        pieces.append((offsets, item))
+    ranges = [item.byte_ranges() for _, item in pieces]
+    whole_rows = all(o[1:] == (0,) * (len(o) - 1) and item.spec.shape[1:] == spec.shape[1:] for o, item in pieces)
+    if whole_rows and all(r is not None for r in ranges):  # Shard(0): the chunks' bytes one after another
+        ordered = sorted(zip(pieces, ranges), key=lambda p: p[0][0])
+        return RangesTensor(spec, tuple(r for _, rs in ordered for r in rs))
+    return _Blocks(spec, tuple(pieces))
+
+
+def _dtype(fqn: str, properties: object, where: str):
+    """The dtype of a TensorProperties record (its pickled state: a tuple, dtype first; older
+    torch: a dict)."""
+    state = properties.state if isinstance(properties, Record) else None
+    marker = state[0] if type(state) is tuple and state else state.get("dtype") if type(state) is dict else None
+    dtype = dtype_of(marker)
+    if dtype is None:
+        shown = quote(global_name(marker) or repr(marker)[:80])
+        raise CheckpointError(f"{where}: the tensor {quote(fqn)} has the dtype {shown}, which fusectl does not read; "
+                              "convert it to a dtype fusectl reads before saving")
+    return dtype
+
+
+def _check_tiling(fqn: str, spec: TensorSpec, blocks: list[tuple[tuple, tuple]], where: str) -> None:
+    """Chunks within bounds tile the tensor exactly when their volumes add up to it and no two
+    overlap."""
+    volume = sum(math.prod(s) for _, s in blocks)
+    if volume != spec.numel:
+        raise CheckpointError(f"{where}: the chunks of {quote(fqn)} {list(spec.shape)} hold {volume} elements, the "
+                              f"tensor {spec.numel}: {'pieces are missing' if volume < spec.numel else 'pieces overlap'}"
+                              f"; {_HOW}")
+    full = [(o, s) for o, s in blocks if math.prod(s)]
+    if len(full) < 2 or not spec.shape:
+        return
+    lo = np.array([o for o, _ in full], dtype=np.int64)
+    hi = lo + np.array([s for _, s in full], dtype=np.int64)
+    step = max(1, 2**22 // (len(full) * len(spec.shape)))  # rows of the pairwise test at a time
+    for start in range(0, len(full), step):
+        block = slice(start, start + step)
+        meets = np.all((lo[block, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[block, None, :]), axis=2)
+        rows, cols = np.nonzero(meets)
+        clash = [(start + r, c) for r, c in zip(rows, cols) if start + r < c]
+        if clash:
+            a, b = clash[0]
+            raise CheckpointError(f"{where}: the chunks of {quote(fqn)} at {list(full[a][0])} and {list(full[b][0])} "
+                                  f"overlap (and leave a hole elsewhere); {_HOW}")
+
+
+class _Blocks(LazyTensor):
+    """A tensor whose chunks are blocks of it (any cut but along the first dimension alone, or
+    chunks not stored as plain bytes): assembled when read, one tensor at a time."""
+
+    __slots__ = ("spec", "pieces")
+
+    def __init__(self, spec: TensorSpec, pieces: tuple[tuple[tuple[int, ...], LazyTensor], ...]):
+        self.spec, self.pieces = spec, pieces
+
+    def read(self) -> np.ndarray:
+        out = np.empty(self.spec.shape, dtype=self.spec.dtype.numpy)
+        for offsets, item in self.pieces:
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, item.spec.shape))] = item.read()
+        return out
+
+
+def _unflatten(values: Mapping[str, object], planner: Mapping, where: str) -> dict:
+    """The nested dict ``dcp_to_torch_save`` rebuilds: each value set at its key path (torch's
+    ``set_element``: a missing container made as the next key asks, a dict for a name, a list
+    for a position), in ``values``' order; a key without a path at the top level."""
+    root: dict = {}
+    bound = len(values)  # a list position past the number of entries cannot be a real one
+    for fqn, value in values.items():
+        path = planner.get(fqn, (fqn,))
+        if type(path) not in (tuple, list) or not path or \
+                any(type(k) is not str and (type(k) is not int or not 0 <= k < bound) for k in path):
+            raise CheckpointError(f"{where}: the key path of {quote(fqn)} is {_shown(path)}, not keys and list "
+                                  f"positions under {bound}; {_HOW}")
+        node: object = root
+        for k, following in zip(path, path[1:]):
+            made = {} if type(following) is str else []
+            node = _step(node, k, made, fqn, where)
+        _place(node, path[-1], value, fqn, where)
+    return root
+
+
+def _step(node: object, key, made: object, fqn: str, where: str) -> object:
+    if type(node) is dict and type(key) is str:
+        child = node.setdefault(key, made)
+    elif type(node) is list and type(key) is int:
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None:
+            node[key] = made
+        child = node[key]
+    else:
+        child = None
+    if type(child) is not type(made):
+        shown = quote(key) if type(key) is str else str(key)
+        raise CheckpointError(f"{where}: the key path of {quote(fqn)} runs through {shown}, which another key "
+                              f"holds as something else; {_HOW}")
+    return child
+
+
+def _place(node: object, key, value: object, fqn: str, where: str) -> None:
+    taken = node.get(key) if type(node) is dict and type(key) is str else \
+        (node[key] if key < len(node) else None) if type(node) is list and type(key) is int else False
+    if taken is not None:
+        raise CheckpointError(f"{where}: {quote(fqn)} is saved at a key path another key holds; {_HOW}")
+    if type(node) is list:
+        node.extend([None] * (key + 1 - len(node)))
+    node[key] = value
+
+
+def _model_path(tree: dict, key: str | None, where: str) -> tuple[KeyPath, KeyPath | None, str | None]:
+    """(where the model's state dict is, where the optimizer is, a problem finding it)."""
+    optimizer_path, problem = find_optimizer(tree, ())
+    if problem:
+        problem = f"{where}: {problem}"
+    if key is not None:
+        if not isinstance(tree.get(key), dict):
+            raise CheckpointError(f"{where}: the checkpoint has no dict {quote(key)}; its entries are "
+                                  f"{', '.join(quote(str(k)) for k in list(tree)[:20])}")
+        return (key,), optimizer_path, problem
+    if any(isinstance(v, LazyTensor) for v in tree.values()):
+        return (), optimizer_path, problem
+    found = [k for k, v in tree.items() if (k,) != optimizer_path and isinstance(v, dict)
+             and any(isinstance(t, LazyTensor) for t in v.values())]
+    if "model" in found or len(found) == 1:
+        return ("model" if "model" in found else found[0],), optimizer_path, problem
+    if not found:
+        raise CheckpointError(f"{where}: holds no dict of tensors beside the optimizer; fusectl reads a model's "
+                              "state dict, as dcp.save({'model': model.state_dict(), ...}) writes")
+    raise CheckpointError(f"{where}: holds several dicts of tensors: {', '.join(quote(str(k)) for k in found[:20])}; "
+                          "pass --key with the one that holds the model")
+
+
+def _node(tree: dict, path: KeyPath) -> dict:
+    return tree if not path else tree[path[0]]
+
+
+def _record(folder: str, check: Callable[[str], None]) -> dict[str, str] | None:
+    """fusectl's record in a DCP folder it wrote (``fusectl_metadata.json``: names → texts); None
+    where there is none."""
+    path = os.path.join(folder, METADATA_FILE)
+    if not os.path.lexists(path):
+        return None
+    check(path)
+    raw = read_json_file(path, "fusectl's metadata")
+    if type(raw) is not dict or any(type(k) is not str or type(v) is not str for k, v in raw.items()):
+        raise CheckpointError(f"{printable(path)}: not an object of texts, as fusectl writes its metadata; remove the "
+                              "file or restore it")
+    return raw
+
+
+def _listing(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError as e:
+        raise CheckpointError(f"{printable(path)}: cannot be listed ({e.strerror})") from e
