@@ -745,3 +745,82 @@ def test_fuzzed_deepspeed_trees(tmp_path, root, name):
         if problem:
             problems.append(f"{root}/{name} {path.relative_to(folder)} case {case} (seed {SEED}): {problem}")
     assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
+
+
+# ------------------------------------------------------------------ torch.distributed.checkpoint folders
+
+
+def _record_spots(node, found):
+    """Every (container, key) of a DCP ``.metadata`` tree: dicts, lists and each record's fields."""
+    from fusectl.io.formats.torch_file import Record
+    if isinstance(node, Record):
+        if isinstance(node.state, dict):
+            _record_spots(node.state, found)
+        return found
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in list(items):
+        found.append((node, key))
+        _record_spots(value, found)
+    return found
+
+
+def _read_dcp_whole(folder: Path):
+    """Read a DCP folder as the commands do: every tensor of the model and of the training tree."""
+    from fusectl.io.formats.dcp import read_dcp
+    from fusectl.tensors import LazyTensor
+    contents = read_dcp(str(folder))
+    stack = [contents.training.tree() if contents.training else contents.tensors]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, LazyTensor):
+            node.read()
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return contents
+
+
+@pytest.mark.parametrize("file", [".metadata", "__1_0.distcp"])
+def test_fuzzed_dcp_file_bytes(tmp_path, file):
+    # a DCP folder's .metadata or a rank's file with random byte edits: the folder reads, every
+    # tensor with it, or is refused naming a file of the folder
+    rng = random.Random(f"{SEED}-dcp-{file}")
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "distributed" / "dcp", folder)
+    path = folder / file
+    data = path.read_bytes()
+    problems = []
+    for case in range(TORCH_CASES):
+        path.write_bytes(_mutated(data, rng))
+        problem = torch_problem(path, read=lambda _: _read_dcp_whole(folder), named=folder)
+        if problem:
+            problems.append(f"dcp/{file} mutation {case} (seed {SEED}): {problem}")
+    assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
+
+
+@pytest.mark.parametrize("name", ["dcp", "dcp-tied"])
+def test_fuzzed_dcp_metadata_tree(tmp_path, name):
+    # a DCP .metadata read, a field or two of its records replaced by another kind of value or a
+    # number out of range, pickled back: the folder reads, every tensor with it, or is refused
+    from fusectl.io.formats.dcp import RECORDS
+    from fusectl.io.formats.torch_file import read_pickle
+    from fusectl.io.formats.torch_writer import pickle_tree
+    rng = random.Random(f"{SEED}-dcp-tree-{name}")
+    problems = []
+    for case in range(TORCH_CASES):
+        folder = tmp_path / str(case) / name
+        shutil.copytree(FIXTURES / "distributed" / name, folder)
+        path = folder / ".metadata"
+        tree = read_pickle(path.read_bytes(), str(path), RECORDS)
+        for _ in range(rng.randint(1, 2)):
+            node, key = rng.choice(_record_spots(tree, []))
+            node[key] = _odd_value(rng, node[key])
+        try:
+            path.write_bytes(pickle_tree(tree, str(path)))
+        except FusectlError:  # a tree a pickle of torch's cannot hold either
+            continue
+        problem = torch_problem(path, read=lambda _: _read_dcp_whole(folder), named=folder)
+        if problem:
+            problems.append(f"{name} case {case} (seed {SEED}): {problem}")
+    assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
@@ -286,14 +287,13 @@ def _check_tiling(fqn: str, spec: TensorSpec, blocks: list[tuple[tuple, tuple]],
                                   f"overlap (and leave a hole elsewhere); {_HOW}")
 
 
+@dataclass(frozen=True, eq=False, slots=True)
 class _Blocks(LazyTensor):
     """A tensor whose chunks are blocks of it (any cut but along the first dimension alone, or
     chunks not stored as plain bytes): assembled when read, one tensor at a time."""
 
-    __slots__ = ("spec", "pieces")
-
-    def __init__(self, spec: TensorSpec, pieces: tuple[tuple[tuple[int, ...], LazyTensor], ...]):
-        self.spec, self.pieces = spec, pieces
+    spec: TensorSpec
+    pieces: tuple[tuple[tuple[int, ...], LazyTensor], ...]  # (offsets, the chunk) each
 
     def read(self) -> np.ndarray:
         out = np.empty(self.spec.shape, dtype=self.spec.dtype.numpy)
