@@ -321,3 +321,19 @@ def test_several_dicts_of_tensors_ask_for_the_key_and_the_key_chooses(tmp_path):
     assert len(ok(run_cli("inspect", "--json", "--key", "student", folder)).json()["parameters"]) == 9
     with pytest.raises(CheckpointError, match="no dict 'pupil'"):
         read_dcp(str(folder), key="pupil")
+
+
+def test_verify_replays_the_rules_and_the_optimizer_on_a_dcp_folder(tmp_path):
+    fused = tmp_path / "fused.pt"
+    ok(run_cli("fuse", DIST / "dcp", "-r", "llama-qkv", "-r", "llama-gate-up", "-o", fused))
+    report = ok(run_cli("verify", DIST / "dcp", fused)).stdout
+    assert "PASS optimizer param group 0" in report and "result: PASS" in report
+    tampered = tmp_path / "tampered.pt"
+    tree, metadata = read_torch_tree(str(fused))
+    qkv = tree["optim"]["state"]["model.layers.1.self_attn.qkv_proj.weight"]
+    changed = qkv["exp_avg"].read().copy()
+    changed[3, 4] += 1.0
+    qkv["exp_avg"] = ArrayTensor(qkv["exp_avg"].spec, changed)
+    write_torch_file(str(tampered), tree, metadata=metadata)
+    result = run_cli("verify", DIST / "dcp", tampered)
+    assert result.exit_code == 1 and "FAIL" in result.stdout and "qkv_proj.weight" in result.stdout

@@ -605,3 +605,21 @@ def test_a_source_changed_while_its_record_is_copied_is_a_clean_error_and_nothin
     result = run_cli("convert", source, "-o", out)
     assert result.exit_code == 2 and "changed while fusectl was reading it" in result.stderr
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["source.safetensors"]
+
+
+def test_a_bare_pickle_holds_records_as_keys_and_dtype_globals_and_no_tensor():
+    """``pickle_tree``: what a DCP ``.metadata`` holds — records as dict keys, ``torch.<dtype>``
+    globals — as ``pickle`` itself would write it; a tensor is refused (a bare pickle has no
+    storage to keep it in)."""
+    from fusectl.io.formats.torch_file import dtype_global, dtype_of, global_name, read_pickle
+    from fusectl.io.formats.torch_writer import pickle_tree
+    records = Records(("pkg.Index",))
+    key = records.classes["pkg.Index"]()
+    key.state = {"fqn": "w"}
+    data = pickle_tree({key: [dtype_global(dtypes.BY_NAME["BF16"]), 3]}, "meta")
+    assert b"ctorch\nbfloat16\n" in data and b"cpkg\nIndex\n" in data
+    (back_key, value), = read_pickle(data, "meta", records).items()
+    assert back_key.state == {"fqn": "w"} and dtype_of(value[0]) == dtypes.BY_NAME["BF16"] and value[1] == 3
+    assert global_name(value[0]) == "torch.bfloat16" and global_name(3) is None and dtype_of(key) is None
+    with pytest.raises(OutputError, match="meta: holds a tensor"):
+        pickle_tree({"w": tensor("F32", (2,))}, "meta")
