@@ -409,7 +409,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     view = checkpoint.followers.view
     if view is not None and lora_base is not None and checkpoint.provenance and checkpoint.provenance.lora_base:
         lora_base = checkpoint.provenance.lora_base + lora_base
-    if max_shard_size is None and checkpoint.distributed is not None:  # rank files are no shards to mirror
+    if max_shard_size is None and checkpoint.distributed is not None and output_kind(out) == "folder":
+        # rank files are no shards to mirror
         max_shard_size = DEFAULT_SHARD_SIZE
     report = write_table(table, recorded, out, inputs=checkpoint.input_paths(), passthrough=checkpoint.metadata,
                          companions=companions, max_shard_size=max_shard_size, force=force,

@@ -18,7 +18,8 @@ import pytest
 from conftest import FIXTURES, ok, refused, run_cli, snapshot
 from fusectl.errors import CheckpointError
 from fusectl import dtypes
-from fusectl.io.formats.dcp import METADATA_FILE, RECORDS, _Blocks, read_dcp
+from fusectl.io.formats.chunks import Blocks
+from fusectl.io.formats.dcp import METADATA_FILE, RECORDS, read_dcp
 from fusectl.io.formats.safetensors_file import read_safetensors
 from fusectl.io.formats.torch_file import Record, read_pickle, read_torch_tree
 from fusectl.io.formats.torch_writer import pickle_tree, write_torch_file
@@ -111,6 +112,11 @@ def test_a_model_saved_at_the_top_level_reads_as_its_state_dict(tmp_path):
     contents = read_dcp(str(folder))
     assert contents.training is None and contents.state_dict_key is None
     assert "model.model.embed_tokens.weight" in contents.tensors and len(contents.tensors) == 21
+    out = tmp_path / "model.pt"  # a file output of a model many ranks wrote: not cut into shards
+    ok(run_cli("convert", folder, "-o", out))
+    tree, _ = read_torch_tree(str(out))
+    theirs, _ = read_torch_tree(str(DIST / "reference" / "dcp.pt"))
+    _same_tree(tree["model.model.embed_tokens.weight"], theirs["model"]["model.embed_tokens.weight"])
 
 
 def test_a_cut_along_columns_is_assembled_block_by_block(tmp_path):
@@ -148,7 +154,7 @@ def test_blocks_of_any_cut_are_placed_where_their_offsets_say():
     whole = np.arange(24, dtype=np.float32).reshape(4, 6)
     pieces = tuple(((r, c), ArrayTensor(TensorSpec(f32, (2, 3)), whole[r:r + 2, c:c + 3].copy()))
                    for r in (0, 2) for c in (0, 3))
-    assert np.array_equal(_Blocks(TensorSpec(f32, (4, 6)), pieces).read(), whole)
+    assert np.array_equal(Blocks(TensorSpec(f32, (4, 6)), pieces).read(), whole)
 
 
 # ------------------------------------------------------------------------------- hostile folders
@@ -160,9 +166,9 @@ def _copy(tmp_path: Path, name: str) -> Path:
     return folder
 
 
-def _edit(folder: Path, edit) -> None:
-    """Read the folder's ``.metadata`` with fusectl's reader, ``edit`` its fields, pickle it back."""
-    path = folder / ".metadata"
+def _edit(folder: Path, edit, index: str = ".metadata") -> None:
+    """Read the folder's ``index`` with fusectl's reader, ``edit`` its fields, pickle it back."""
+    path = folder / index
     meta = read_pickle(path.read_bytes(), str(path), RECORDS)
     edit(meta.state)
     path.write_bytes(pickle_tree(meta, str(path)))
@@ -337,3 +343,49 @@ def test_verify_replays_the_rules_and_the_optimizer_on_a_dcp_folder(tmp_path):
     write_torch_file(str(tampered), tree, metadata=metadata)
     result = run_cli("verify", DIST / "dcp", tampered)
     assert result.exit_code == 1 and "FAIL" in result.stdout and "qkv_proj.weight" in result.stdout
+
+
+# ------------------------------------------- ranks that saved without talking: __R.metadata each
+
+def test_each_ranks_own_index_is_read_together_equal_to_what_torch_gathered(tmp_path):
+    """``dcp.save(..., use_collectives=False)``: no .metadata, each rank's __R.metadata names only
+    its own chunks (a Replicate tensor in both). Read together they give every tensor whole,
+    equal to torch's ``full_tensor()`` of each (reference/dcp-variants.pt). torch 2.13's own
+    ``dcp_to_torch_save`` reads rank 0's index alone here and leaves the rest of each tensor
+    uninitialised (tried by hand)."""
+    out = tmp_path / "out.pt"
+    ok(run_cli("convert", DIST / "dcp-local", "-o", out))
+    ours, _ = read_torch_tree(str(out))
+    theirs, _ = read_torch_tree(str(DIST / "reference" / "dcp-variants.pt"))
+    assert ours["step"] == 3
+    _same_tree({"model": ours["model"], "tp": ours["tp"]}, theirs)
+    contents = read_dcp(str(DIST / "dcp-local"))
+    assert contents.distributed == {"world_size": 2}
+    assert [os.path.basename(f) for f in contents.files][:2] == ["__0.metadata", "__1.metadata"]
+    q = contents.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert [os.path.basename(r.path) for r in q.byte_ranges()] == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def test_a_ranks_missing_index_is_refused_naming_it(tmp_path):
+    folder = _copy(tmp_path, "dcp-local")
+    (folder / "__0.metadata").unlink()
+    assert "__0.metadata" in _refused(tmp_path, folder, "copy the whole folder")
+
+
+def test_a_rank_file_without_its_index_is_refused_naming_the_rank(tmp_path):
+    folder = _copy(tmp_path, "dcp-local")
+    (folder / "__1.metadata").unlink()
+    _refused(tmp_path, folder, "__1.metadata", "rank 1")
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda m: m["state_dict_metadata"]["tp.col"].state.update(size=(6, 12)), ["'tp.col'", "another rank"]),
+    (lambda m: m["planner_data"].update({"tp.col": ("tp", "other")}), ["'tp.col'", "key path"]),
+    (lambda m: m["state_dict_metadata"].update(
+        {"step": m["state_dict_metadata"]["tp.rep"]}), ["'step'", "another rank"]),
+    (lambda m: _chunks(m, "tp.col")[0].state.update(offsets=(0, 3)), ["'tp.col'", "overlap"]),
+])
+def test_ranks_whose_indexes_disagree_are_refused_naming_the_tensor(tmp_path, edit, needles):
+    folder = _copy(tmp_path, "dcp-local")
+    _edit(folder, edit, "__1.metadata")
+    _refused(tmp_path, folder, *needles)

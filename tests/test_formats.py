@@ -61,12 +61,13 @@ def sample(name: str, tmp_path: Path) -> Path:
     return next(folder.glob("*.index.json"))
 
 
-NAMES = [f.name for f in FORMATS if f.folder is None]  # the formats of files (folder formats: test_deepspeed_zero.py, test_deepspeed_universal.py)
+NAMES = [f.name for f in FORMATS if f.folder is None]  # the formats of files (folder formats: test_deepspeed_zero.py, test_deepspeed_universal.py,
+# test_dcp.py, test_dcp_safetensors.py)
 
 
 def test_the_checkpoint_format_names_stay():
     assert NAMES == ["safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx", "mxnet"]
-    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal", "dcp"]
+    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal", "dcp", "dcp-safetensors"]
     assert [format_named(n).name for n in NAMES] == NAMES
     with pytest.raises(KeyError):
         format_named("gguf")

@@ -765,10 +765,11 @@ def _record_spots(node, found):
 
 
 def _read_dcp_whole(folder: Path):
-    """Read a DCP folder as the commands do: every tensor of the model and of the training tree."""
-    from fusectl.io.formats.dcp import read_dcp
+    """Read a folder many ranks wrote as the commands do: every tensor of the model and of the
+    training tree."""
+    from fusectl.io.registry import folder_format
     from fusectl.tensors import LazyTensor
-    contents = read_dcp(str(folder))
+    contents = folder_format(str(folder)).read(str(folder))
     stack = [contents.training.tree() if contents.training else contents.tensors]
     while stack:
         node = stack.pop()
@@ -781,13 +782,15 @@ def _read_dcp_whole(folder: Path):
     return contents
 
 
-@pytest.mark.parametrize("file", [".metadata", "__1_0.distcp"])
-def test_fuzzed_dcp_file_bytes(tmp_path, file):
-    # a DCP folder's .metadata or a rank's file with random byte edits: the folder reads, every
-    # tensor with it, or is refused naming a file of the folder
+@pytest.mark.parametrize("name, file", [("dcp", ".metadata"), ("dcp", "__1_0.distcp"), ("dcp-local", "__1.metadata"),
+                                        ("dcp-safetensors", "shard-00002-model-00001-of-00001.safetensors")])
+def test_fuzzed_dcp_file_bytes(tmp_path, name, file):
+    # a DCP folder's index (.metadata, or a rank's own) or a rank's file (.distcp, or sharded
+    # safetensors) with random byte edits: the folder reads, every tensor with it, or is refused
+    # naming a file of the folder
     rng = random.Random(f"{SEED}-dcp-{file}")
-    folder = tmp_path / "dcp"
-    shutil.copytree(FIXTURES / "distributed" / "dcp", folder)
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / "distributed" / name, folder)
     path = folder / file
     data = path.read_bytes()
     problems = []
@@ -795,7 +798,7 @@ def test_fuzzed_dcp_file_bytes(tmp_path, file):
         path.write_bytes(_mutated(data, rng))
         problem = torch_problem(path, read=lambda _: _read_dcp_whole(folder), named=folder)
         if problem:
-            problems.append(f"dcp/{file} mutation {case} (seed {SEED}): {problem}")
+            problems.append(f"{name}/{file} mutation {case} (seed {SEED}): {problem}")
     assert not problems, f"{len(problems)} cases broke the contract:\n" + "\n".join(problems[:20])
 
 

@@ -61,6 +61,12 @@ _DEEPSPEED_MODEL_STATES = re.compile(r"(zero_pp_rank_[0-9]+_)?mp_rank_[0-9]+_mod
 # the scripts DeepSpeed copies into its save folder: its own code, never part of the model's files
 DEEPSPEED_SCRIPTS = frozenset({"zero_to_fp32.py", "zero_to_torch.py"})
 DCP_METADATA = ".metadata"  # the index of a torch.distributed.checkpoint folder
+# each rank's own index, where ranks saved without talking to each other (use_collectives=False)
+DCP_RANK_METADATA = re.compile(r"__([0-9]{1,6})\.metadata")
+# a rank's file of a torch.distributed.checkpoint saved as sharded safetensors (HuggingFaceStorageWriter's
+# save_distributed): shard-RRRRR-model-NNNNN-of-MMMMM.safetensors, its blocks' offsets in DCP_SHARDING_INFO
+DCP_SHARD_FILE = re.compile(r"shard-([0-9]{5,9})-model-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 UNIVERSAL_FOLDER = "zero"  # ds_to_universal's folder of one folder per parameter
 
 
@@ -99,9 +105,24 @@ def is_mxnet(path: str) -> bool:
 
 
 def is_dcp_folder(path: str) -> bool:
-    """Whether ``path`` is a torch.distributed.checkpoint folder: one holding a ``.metadata``
-    (only names are looked at)."""
-    return os.path.isdir(path) and os.path.lexists(os.path.join(path, DCP_METADATA))
+    """Whether ``path`` is a torch.distributed.checkpoint folder: one holding a ``.metadata``, or
+    ``__R.metadata`` files (only names are looked at)."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.lexists(os.path.join(path, DCP_METADATA)):
+        return True
+    try:
+        return any(DCP_RANK_METADATA.fullmatch(n) for n in os.listdir(path))
+    except OSError:
+        return False
+
+
+def is_dcp_safetensors_folder(path: str) -> bool:
+    """Whether ``path`` is a folder of DCP's sharded safetensors files (only names are looked at)."""
+    try:
+        return os.path.isdir(path) and any(DCP_SHARD_FILE.fullmatch(n) for n in os.listdir(path))
+    except OSError:
+        return False
 
 
 def deepspeed_kind(path: str) -> str | None:

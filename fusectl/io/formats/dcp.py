@@ -33,23 +33,20 @@ the file.
 
 from __future__ import annotations
 
-import math
 import os
 import re
-from dataclasses import dataclass
 from typing import Callable, Mapping
-
-import numpy as np
 
 from ...errors import CheckpointError, printable, quote
 from ...limits import check_limit, limit
-from ...tensors import LazyTensor, RangesTensor, TensorSpec
+from ...tensors import LazyTensor, TensorSpec
 from ..contents import Contents
 from ..key_path import KeyPath, key_text
 from ..optimizer_state import Training, find_optimizer
 from ..provenance import METADATA_KEY
-from ..sniff import DCP_METADATA
+from ..sniff import DCP_METADATA, DCP_RANK_METADATA
 from ..untrusted import open_input, read_json_file
+from .chunks import assemble, check_tiling
 from .torch_file import Record, Records, dtype_of, global_name, read_pickle, read_torch_tree
 
 _META = "torch.distributed.checkpoint.metadata."
@@ -85,10 +82,18 @@ def read_dcp(path: str, key: str | None = None, check_link: Callable[[str], None
     if not os.path.isdir(path):
         raise CheckpointError(f"{printable(path)}: one file of a torch.distributed.checkpoint folder; name the folder "
                               f"that holds it and its {DCP_METADATA}")
-    meta_path = os.path.join(path, DCP_METADATA)
-    check(meta_path)
-    layout = _Layout.read(meta_path)
-    where = printable(meta_path)
+    indexes = _indexes(path)
+    for index in indexes:
+        check(index)
+    layout = _Layout.read(indexes)
+    where = layout.where
+    if layout.ranks:
+        written = {int(m.group(1)) for n in _listing(path) if (m := _RANK_FILE.fullmatch(n))}
+        unindexed = sorted(written - layout.ranks)
+        if unindexed:
+            raise CheckpointError(f"{printable(path)}: holds the items of rank {unindexed[0]} "
+                                  f"(__{unindexed[0]}_*.distcp) but not its index __{unindexed[0]}.metadata; copy "
+                                  "the whole folder")
     check_limit("tensors", len(layout.entries), where)
     files: dict[str, str] = {}
 
@@ -119,7 +124,7 @@ def read_dcp(path: str, key: str | None = None, check_link: Callable[[str], None
     ignored = [str(k) for k, v in model.items() if not isinstance(v, LazyTensor)]
     whole = model_path or ignored or optimizer_path is not None
     training = Training(path, model_path, optimizer_path, lambda: tree, problem) if whole else None
-    read = [meta_path, *(files[n] for n in sorted(files))]
+    read = [*indexes, *(files[n] for n in sorted(files))]
     if record is not None:
         read.append(os.path.join(path, METADATA_FILE))
     record = record or {}
@@ -128,15 +133,43 @@ def read_dcp(path: str, key: str | None = None, check_link: Callable[[str], None
 
 
 class _Layout:
-    """What ``.metadata`` says: ``entries`` (flattened key → its TensorStorageMetadata or
-    BytesStorageMetadata record, in the file's order), ``planner`` (flattened key → key path) and
-    the storage of each chunk (:meth:`location`)."""
+    """What the folder's index says: ``entries`` (flattened key → its TensorStorageMetadata or
+    BytesStorageMetadata record, in the file's order), ``planner`` (flattened key → key path),
+    the storage of each chunk (:meth:`location`) and, where each rank wrote an index of its
+    own, the ``ranks`` that did (else empty)."""
 
-    def __init__(self, where: str, entries: dict, planner: dict, storage: dict):
-        self.where, self.entries, self.planner, self._storage = where, entries, planner, storage
+    def __init__(self, where: str, entries: dict, planner: dict, storage: dict, ranks: frozenset[int] = frozenset()):
+        self.where, self.entries, self.planner, self._storage, self.ranks = where, entries, planner, storage, ranks
 
     @classmethod
-    def read(cls, path: str) -> "_Layout":
+    def read(cls, paths: list[str]) -> "_Layout":
+        """The layout of one ``.metadata``, or of the ranks' ``__R.metadata`` files together: each
+        tensor's chunks from every rank (a block two ranks both saved — a replicated tensor — read
+        from the first), the ranks agreeing on every key's size, dtype and key path."""
+        first = cls._parse(paths[0])
+        ranks = frozenset(int(m.group(1)) for p in paths if (m := DCP_RANK_METADATA.fullmatch(os.path.basename(p))))
+        if len(paths) == 1:
+            return cls(first.where, first.entries, first.planner, first._storage, ranks)
+        where = f"{printable(os.path.dirname(paths[0]) or '.')}/__R.metadata"
+        entries, planner, storage = dict(first.entries), dict(first.planner), dict(first._storage)
+        for path in paths[1:]:
+            rank = cls._parse(path)
+            for fqn, entry in rank.entries.items():
+                known = entries.get(fqn)
+                if known is None:
+                    entries[fqn] = entry
+                else:
+                    entries[fqn] = _merged(fqn, known, entry, rank.where)
+                if planner.setdefault(fqn, rank.planner.get(fqn, (fqn,))) != rank.planner.get(fqn, (fqn,)):
+                    raise CheckpointError(f"{rank.where}: saves {quote(fqn)} at the key path "
+                                          f"{_shown(rank.planner.get(fqn))}, another rank at {_shown(planner[fqn])}; "
+                                          "the ranks' files are of different checkpoints")
+            for key, info in rank._storage.items():
+                storage.setdefault(key, info)
+        return cls(where, entries, planner, storage, ranks)
+
+    @classmethod
+    def _parse(cls, path: str) -> "_Layout":
         where = printable(path)
         with open_input(path) as f:
             check_limit("pickle-bytes", os.fstat(f.fileno()).st_size, where)
@@ -178,6 +211,50 @@ class _Layout:
             at = "" if offsets is None else f"'s chunk at {list(offsets)}"
             raise CheckpointError(f"{self.where}: {quote(fqn)}{at} has no storage entry (no file holds it); {_HOW}")
         return found
+
+
+def _indexes(folder: str) -> list[str]:
+    """The folder's index: its ``.metadata``, else every rank's ``__R.metadata`` (what ranks that
+    saved without talking to each other write), ranks 0 to N-1 all there."""
+    whole = os.path.join(folder, DCP_METADATA)
+    if os.path.lexists(whole):
+        return [whole]
+    ranks = sorted(int(m.group(1)) for n in _listing(folder) if (m := DCP_RANK_METADATA.fullmatch(n)))
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks)) if ranks else [0]
+    if missing:
+        raise CheckpointError(f"{printable(folder)}: holds the index of rank(s) {', '.join(map(str, ranks))} but not "
+                              f"__{missing[0]}.metadata; copy the whole folder (each rank wrote its own index)")
+    return [os.path.join(folder, f"__{r}{DCP_METADATA}") for r in ranks]
+
+
+def _merged(fqn: str, known: Record, entry: Record, where: str) -> Record:
+    """``known`` (an earlier rank's entry for ``fqn``) with the chunks of ``entry`` it lacks."""
+    if entry.name != known.name:
+        raise CheckpointError(f"{where}: saves {quote(fqn)} as {_shown(entry)}, another rank as {_shown(known)}; the "
+                              "ranks' files are of different checkpoints")
+    if entry.name != _META + "TensorStorageMetadata":
+        return known
+    mine, theirs = entry.state, known.state
+    if type(mine) is not dict or type(theirs) is not dict or type(mine.get("chunks")) is not list or \
+            type(theirs.get("chunks")) is not list:
+        raise CheckpointError(f"{where}: the tensor {quote(fqn)} has no list of chunks; {_HOW}")
+    if mine.get("size") != theirs.get("size") or \
+            _dtype(fqn, mine.get("properties"), where) != _dtype(fqn, theirs.get("properties"), where):
+        raise CheckpointError(f"{where}: the tensor {quote(fqn)} is {_shown(mine.get('size'))} there, "
+                              f"{_shown(theirs.get('size'))} on another rank (or of another dtype); the ranks' files "
+                              "are of different checkpoints")
+    seen = {_block(c) for c in theirs["chunks"]}
+    merged = type(known)()
+    merged.__setstate__({**theirs, "chunks": [*theirs["chunks"], *(c for c in mine["chunks"] if _block(c) not in seen)]})
+    return merged
+
+
+def _block(chunk: object) -> object:
+    """A chunk's (offsets, sizes), to tell two ranks' copies of one block (a chunk that is not
+    DCP's is checked with the tensor's others)."""
+    state = chunk.state if isinstance(chunk, Record) and type(chunk.state) is dict else {}
+    offsets, sizes = state.get("offsets"), state.get("sizes")
+    return (tuple(offsets), tuple(sizes)) if _ints(offsets) and _ints(sizes) else id(chunk)
 
 
 def _state(value: object, cls: str, where: str, what: str, module: str = _META) -> dict:
@@ -228,7 +305,7 @@ def _tensor(fqn: str, entry: Record, layout: _Layout, file_of: Callable[[dict], 
             raise CheckpointError(f"{where}: a chunk of {quote(fqn)} {list(spec.shape)} is at offsets "
                                   f"{_shown(offsets)} with sizes {_shown(sizes)}: past the tensor's bounds; {_HOW}")
         blocks.append((tuple(offsets), tuple(sizes)))
-    _check_tiling(fqn, spec, blocks, where)
+    check_tiling(fqn, spec, blocks, where, _HOW)
     pieces = []
     for offsets, sizes in blocks:
         info = layout.location(fqn, offsets)
@@ -241,12 +318,7 @@ def _tensor(fqn: str, entry: Record, layout: _Layout, file_of: Callable[[dict], 
                                   f"says it is the chunk of {quote(fqn)} at {list(offsets)}, {expected}; the files "
                                   "are of two checkpoints, or one is corrupt")
         pieces.append((offsets, item))
-    ranges = [item.byte_ranges() for _, item in pieces]
-    whole_rows = all(o[1:] == (0,) * (len(o) - 1) and item.spec.shape[1:] == spec.shape[1:] for o, item in pieces)
-    if whole_rows and all(r is not None for r in ranges):  # Shard(0): the chunks' bytes one after another
-        ordered = sorted(zip(pieces, ranges), key=lambda p: p[0][0])
-        return RangesTensor(spec, tuple(r for _, rs in ordered for r in rs))
-    return _Blocks(spec, tuple(pieces))
+    return assemble(spec, pieces)
 
 
 def _dtype(fqn: str, properties: object, where: str):
@@ -260,46 +332,6 @@ def _dtype(fqn: str, properties: object, where: str):
         raise CheckpointError(f"{where}: the tensor {quote(fqn)} has the dtype {shown}, which fusectl does not read; "
                               "convert it to a dtype fusectl reads before saving")
     return dtype
-
-
-def _check_tiling(fqn: str, spec: TensorSpec, blocks: list[tuple[tuple, tuple]], where: str) -> None:
-    """Chunks within bounds tile the tensor exactly when their volumes add up to it and no two
-    overlap."""
-    volume = sum(math.prod(s) for _, s in blocks)
-    if volume != spec.numel:
-        raise CheckpointError(f"{where}: the chunks of {quote(fqn)} {list(spec.shape)} hold {volume} elements, the "
-                              f"tensor {spec.numel}: {'pieces are missing' if volume < spec.numel else 'pieces overlap'}"
-                              f"; {_HOW}")
-    full = [(o, s) for o, s in blocks if math.prod(s)]
-    if len(full) < 2 or not spec.shape:
-        return
-    lo = np.array([o for o, _ in full], dtype=np.int64)
-    hi = lo + np.array([s for _, s in full], dtype=np.int64)
-    step = max(1, 2**22 // (len(full) * len(spec.shape)))  # rows of the pairwise test at a time
-    for start in range(0, len(full), step):
-        block = slice(start, start + step)
-        meets = np.all((lo[block, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[block, None, :]), axis=2)
-        rows, cols = np.nonzero(meets)
-        clash = [(start + r, c) for r, c in zip(rows, cols) if start + r < c]
-        if clash:
-            a, b = clash[0]
-            raise CheckpointError(f"{where}: the chunks of {quote(fqn)} at {list(full[a][0])} and {list(full[b][0])} "
-                                  f"overlap (and leave a hole elsewhere); {_HOW}")
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class _Blocks(LazyTensor):
-    """A tensor whose chunks are blocks of it (any cut but along the first dimension alone, or
-    chunks not stored as plain bytes): assembled when read, one tensor at a time."""
-
-    spec: TensorSpec
-    pieces: tuple[tuple[tuple[int, ...], LazyTensor], ...]  # (offsets, the chunk) each
-
-    def read(self) -> np.ndarray:
-        out = np.empty(self.spec.shape, dtype=self.spec.dtype.numpy)
-        for offsets, item in self.pieces:
-            out[tuple(slice(o, o + s) for o, s in zip(offsets, item.spec.shape))] = item.read()
-        return out
 
 
 def _unflatten(values: Mapping[str, object], planner: Mapping, where: str) -> dict:

@@ -22,6 +22,7 @@ from ...errors import CheckpointError, InternalError, quote
 from ...limits import check_limit, limit
 from ..contents import Contents
 from ..provenance import METADATA_KEY
+from ..sniff import DCP_SHARD_FILE, DCP_SHARDING_INFO
 from .sharded import read_index
 from ..streaming import Writeback, copy_ranges, write_all
 from ..untrusted import collector_paused, load_json, open_input
@@ -41,7 +42,21 @@ def read_safetensors(path: str, key: str | None = None,
     ``__metadata__``, which holds fusectl's provenance entry (:func:`read_header` says what is
     validated)."""
     tensors, metadata = read_header(path)
+    if DCP_SHARDING_INFO in metadata and _dcp_block(path, metadata[DCP_SHARDING_INFO]):
+        raise CheckpointError(f"{path}: one rank's blocks of a torch.distributed.checkpoint saved as sharded "
+                              f"safetensors ({DCP_SHARDING_INFO} places them in larger tensors); name the folder that "
+                              "holds every rank's shard-*.safetensors")
     return Contents(tensors, [path], metadata, metadata.get(METADATA_KEY))
+
+
+def _dcp_block(path: str, sharding: str) -> bool:
+    """Whether a file with DCP's sharding entry holds blocks of larger tensors: a rank's file by
+    its name, or any block not at the origin (torch's rank-0 save of whole tensors has all 0)."""
+    if DCP_SHARD_FILE.fullmatch(os.path.basename(path)):
+        return True
+    info = load_json(sharding, path, DCP_SHARDING_INFO)
+    offsets = [e.get("saved_offsets") for e in info.values() if type(e) is dict] if type(info) is dict else [None]
+    return any(type(o) is not list or any(o) for o in offsets)
 
 
 def read_safetensors_index(path: str, key: str | None = None,

@@ -1,0 +1,84 @@
+"""A tensor whole at its global size from the blocks that ranks wrote of it.
+
+A checkpoint written by many ranks keeps each tensor as blocks: each a rank's piece, at its
+offsets in the whole. torch.distributed.checkpoint's ``.distcp`` items and its sharded
+safetensors files cut tensors so. :func:`check_tiling` proves that the blocks cover the tensor
+exactly once; :func:`assemble` gives the tensor: the file ranges of its blocks one after another
+where they are whole rows in order (a cut along the first dimension alone: consolidating copies
+file ranges, it never holds the model), else :class:`Blocks`, assembled when read, one tensor at
+a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ...errors import CheckpointError, quote
+from ...tensors import LazyTensor, RangesTensor, TensorSpec
+
+Piece = tuple[tuple[int, ...], LazyTensor]  # a block: its offsets in the whole and its data
+
+
+def check_tiling(name: str, spec: TensorSpec, blocks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+                 where: str, how: str) -> None:
+    """Blocks within the tensor's bounds tile it exactly when their volumes add up to it and no
+    two overlap.
+
+    :param name: the tensor's name, for the error.
+    :param spec: the whole tensor.
+    :param blocks: (offsets, sizes) of each block, each within ``spec``'s shape.
+    :param where: the file whose layout is checked, first in the error.
+    :param how: what the error says to do.
+    :raises CheckpointError: pieces missing or overlapping, naming two that overlap.
+    """
+    volume = sum(math.prod(s) for _, s in blocks)
+    if volume != spec.numel:
+        raise CheckpointError(f"{where}: the chunks of {quote(name)} {list(spec.shape)} hold {volume} elements, the "
+                              f"tensor {spec.numel}: {'pieces are missing' if volume < spec.numel else 'pieces overlap'}"
+                              f"; {how}")
+    full = [(o, s) for o, s in blocks if math.prod(s)]
+    if len(full) < 2 or not spec.shape:
+        return
+    lo = np.array([o for o, _ in full], dtype=np.int64)
+    hi = lo + np.array([s for _, s in full], dtype=np.int64)
+    step = max(1, 2**22 // (len(full) * len(spec.shape)))  # rows of the pairwise test at a time
+    for start in range(0, len(full), step):
+        block = slice(start, start + step)
+        meets = np.all((lo[block, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[block, None, :]), axis=2)
+        rows, cols = np.nonzero(meets)
+        clash = [(start + r, c) for r, c in zip(rows, cols) if start + r < c]
+        if clash:
+            a, b = clash[0]
+            raise CheckpointError(f"{where}: the chunks of {quote(name)} at {list(full[a][0])} and {list(full[b][0])} "
+                                  f"overlap (and leave a hole elsewhere); {how}")
+
+
+def assemble(spec: TensorSpec, pieces: Sequence[Piece]) -> LazyTensor:
+    """The tensor ``spec`` from ``pieces`` that tile it (:func:`check_tiling`), each of the
+    block's shape and ``spec``'s dtype."""
+    ranges = [item.byte_ranges() for _, item in pieces]
+    whole_rows = all(o[1:] == (0,) * (len(o) - 1) and item.spec.shape[1:] == spec.shape[1:] for o, item in pieces)
+    if whole_rows and all(r is not None for r in ranges):  # Shard(0): the blocks' bytes one after another
+        ordered = sorted(zip(pieces, ranges), key=lambda p: p[0][0])
+        return RangesTensor(spec, tuple(r for _, rs in ordered for r in rs))
+    return Blocks(spec, tuple(pieces))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Blocks(LazyTensor):
+    """A tensor whose blocks are not whole rows in file ranges (any cut but along the first
+    dimension alone, or blocks not stored as plain bytes): assembled when read."""
+
+    spec: TensorSpec
+    pieces: tuple[Piece, ...]
+
+    def read(self) -> np.ndarray:
+        """Read each block into its place in one fresh array."""
+        out = np.empty(self.spec.shape, dtype=self.spec.dtype.numpy)
+        for offsets, item in self.pieces:
+            out[tuple(slice(o, o + s) for o, s in zip(offsets, item.spec.shape))] = item.read()
+        return out
