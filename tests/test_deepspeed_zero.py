@@ -5,7 +5,10 @@ Against DeepSpeed's own results, made by committed scripts and saved beside the 
 ``fixtures/generate_deepspeed_padded.py`` (a model whose partitions carry padding, with a frozen
 parameter and a float16 buffer). Every tensor is bitwise ``zero_to_fp32``'s (its reference read
 with fusectl's own torch reader: no torch needed), names and order included; the moments are
-bitwise what ``ds_to_universal`` wrote; the CLI reads, converts and fuses the folders; hostile
+bitwise what ``ds_to_universal`` wrote. The bf16 folders (``generate_distributed.py``: ZeRO 1,
+which is DeepSpeed's BF16_Optimizer and which ``zero_to_fp32`` refuses, ZeRO 2 and 3) give the
+fp32 master weights, bitwise ``ds_to_universal``'s (and ``zero_to_fp32``'s where it reads them),
+never the bf16 copies of the model states, which are those weights rounded; the CLI reads, converts and fuses the folders; hostile
 folders are refused, exit 2, nothing written. Where torch is installed, the converted files
 resume and reproduce the uninterrupted run's losses.
 """
@@ -34,9 +37,11 @@ DIST = FIXTURES / "distributed"
 PADDED = FIXTURES / "deepspeed-padded"
 TAG = "global_step3"
 SAVED = 3  # steps before the save (fixtures/resume_training.py)
-LLAMA = ["zero1", "zero2", "zero3", "zero2-tied", "zero3-tied"]
+LLAMA = ["zero1", "zero2", "zero3", "zero2-tied", "zero3-tied", "bf16-zero2", "bf16-zero3"]
 CASES = [(DIST, n) for n in LLAMA] + [(PADDED, n) for n in ("zero1", "zero2", "zero3")]
 IDS = [f"{root.name}/{n}" for root, n in CASES]
+# bf16 (generate_distributed.py --mixed-only); zero_to_fp32 refuses bf16-zero1 (BF16_Optimizer)
+MIXED = ["bf16-zero1", "bf16-zero2", "bf16-zero3"]
 ATTENTION = ("q_proj", "k_proj", "v_proj")
 
 
@@ -49,6 +54,10 @@ def _bytes(tensor) -> bytes:
     return tensor.read().tobytes()
 
 
+def _stage(name: str) -> int:
+    return int(name.split("zero")[1][0])
+
+
 @pytest.mark.parametrize("root,name", CASES, ids=IDS)
 def test_every_tensor_is_zero_to_fp32s_bitwise_in_its_order_with_its_ties(root, name):
     contents = read_zero(str(root / name))
@@ -59,7 +68,7 @@ def test_every_tensor_is_zero_to_fp32s_bitwise_in_its_order_with_its_ties(root, 
     for key, tensor in ref.tensors.items():
         assert contents.tensors[key].spec == tensor.spec, key
         assert _bytes(contents.tensors[key]) == _bytes(tensor), key
-    stage = int(name[4])
+    stage = _stage(name)
     assert contents.variant == f"deepspeed-zero{stage}"
     assert contents.distributed == {"world_size": 2, "stage": stage, "tag": TAG, "ds_version": "0.19.8"}
 
@@ -87,13 +96,14 @@ def test_a_parameter_is_the_byte_ranges_of_each_ranks_file():
 
 def _saved_groups(root: Path, name: str) -> list[dict]:
     """The base optimizer's param groups as DeepSpeed saved them in rank 0's file."""
-    tree, _ = read_torch_tree(str(root / name / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"), records=RECORDS)
+    [path] = (root / name / TAG).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt")  # bf16_ in bf16
+    tree, _ = read_torch_tree(str(path), records=RECORDS)
     node = tree["optimizer_state_dict"]
     base = node["optimizer_state_dict"] if "fp32_flat_groups" in node else node["base_optimizer_state"]
     return base["param_groups"]
 
 
-@pytest.mark.parametrize("root,name", CASES, ids=IDS)
+@pytest.mark.parametrize("root,name", [*CASES, (DIST, "bf16-zero1")], ids=[*IDS, "distributed/bf16-zero1"])
 def test_the_training_state_is_a_torch_optimizer_state_dict_of_deepspeeds_groups(root, name):
     contents = read_zero(str(root / name))
     tree = contents.training.tree()
@@ -136,6 +146,88 @@ def test_the_moments_are_ds_to_universals_bitwise(root, name):
             saved = saved["param"] if isinstance(saved, dict) else saved
             ours = tree["state"][pid][key]
             assert ours.spec.numel == saved.spec.numel and _bytes(ours) == _bytes(saved), (param, key)
+
+
+def _universal_reference(name: str) -> dict:
+    """ds_to_universal's files of a mixed folder, gathered by the generator in one: {parameter:
+    {"fp32", "exp_avg", "exp_avg_sq"[, "step"]: tensor}} (ZeRO 3's flat, as it writes them)."""
+    tree, _ = read_torch_tree(str(DIST / "reference" / f"{name}-universal.pt"))
+    return tree
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_bf16_folders_give_the_fp32_master_weights_and_moments_bitwise_ds_to_universals(name):
+    contents = read_zero(str(DIST / name))
+    universal = _universal_reference(name)
+    tree = contents.training.tree()["optimizer"]
+    names = [n for g in tree["param_groups"] for n in g["param_names"]]
+    assert sorted(names) == sorted(universal) == sorted(contents.tensors)
+    for pid, param in enumerate(names):
+        saved = universal[param]
+        ours = {"fp32": contents.tensors[param], **tree["state"][pid]}
+        assert ours["fp32"].spec.dtype.safetensors == "F32" and ours["fp32"].spec.numel == saved["fp32"].spec.numel
+        for key, tensor in saved.items():  # ZeRO 3's conversion writes no step
+            assert _bytes(ours[key]) == _bytes(tensor), (param, key)
+    assert contents.variant == f"deepspeed-zero{_stage(name)}"
+    optimizer = {"optimizer": "BF16_Optimizer"} if name == "bf16-zero1" else {}
+    assert contents.distributed == {"world_size": 2, "stage": _stage(name), "tag": TAG, "ds_version": "0.19.8",
+                                    **optimizer}
+
+
+def test_bf16_zero1_is_in_the_order_of_its_param_shapes():
+    # zero_to_fp32 refuses BF16_Optimizer's files; its order would be param_shapes' (no buffers)
+    contents = read_zero(str(DIST / "bf16-zero1"))
+    shapes, _ = read_torch_tree(str(DIST / "bf16-zero1" / TAG / "mp_rank_00_model_states.pt"), records=RECORDS)
+    assert list(contents.order) == [n for group in shapes["param_shapes"] for n in group]
+    assert [contents.tensors[n].spec.shape for n in contents.order] == \
+        [tuple(s) for group in shapes["param_shapes"] for s in group.values()]
+
+
+@pytest.mark.parametrize("name", ["bf16-zero1", "bf16-zero2"])
+def test_the_bf16_weights_of_the_model_states_are_the_fp32_master_weights_rounded(name):
+    import ml_dtypes
+    module = read_torch(str(DIST / name / TAG / "mp_rank_00_model_states.pt"), key="module").tensors
+    master = read_zero(str(DIST / name)).tensors
+    assert sorted(module) == sorted(master)
+    rounded_differs = 0
+    for key, tensor in master.items():
+        assert module[key].spec.dtype.safetensors == "BF16" and module[key].spec.shape == tensor.spec.shape
+        fp32 = tensor.read()
+        assert _bytes(module[key]) == fp32.astype(ml_dtypes.bfloat16).tobytes(), key  # round to nearest even
+        rounded_differs += int((fp32.astype(ml_dtypes.bfloat16).astype("float32") != fp32).sum())
+    assert rounded_differs > 0  # fusectl gives the fp32 weights, not the bf16 ones widened
+
+
+def test_bf16_zero3_model_states_hold_empty_placeholders_and_fusectl_the_fp32_weights():
+    module = read_torch(str(DIST / "bf16-zero3" / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                        key="module").tensors
+    assert {t.spec.dtype.safetensors for t in module.values()} == {"BF16"} and {t.spec.numel for t in module.values()} == {0}
+    assert {t.spec.dtype.safetensors for t in read_zero(str(DIST / "bf16-zero3")).tensors.values()} == {"F32"}
+
+
+def test_inspect_json_of_a_bf16_optimizer_folder():
+    report = ok(run_cli("inspect", "--json", DIST / "bf16-zero1")).json()
+    assert report["format"] == "deepspeed-zero1"
+    assert report["distributed"] == {"world_size": 2, "stage": 1, "tag": TAG, "ds_version": "0.19.8",
+                                     "optimizer": "BF16_Optimizer"}
+    assert {p["dtype"] for p in report["parameters"]} == {"F32"} and len(report["parameters"]) == 21
+    assert report["optimizer"]["kind"] == "Adam/AdamW" and report["optimizer"]["exact"]
+    report = ok(run_cli("inspect", "--json", DIST / "bf16-zero3")).json()
+    assert report["format"] == "deepspeed-zero3" and report["distributed"]["world_size"] == 2
+
+
+def test_convert_a_bf16_optimizer_folder_to_pt_and_to_a_folder(tmp_path):
+    ok(run_cli("convert", DIST / "bf16-zero1", "-o", tmp_path / "out.pt"))
+    ok(run_cli("convert", DIST / "bf16-zero1", "-o", tmp_path / "out"))
+    universal = _universal_reference("bf16-zero1")
+    written = read_torch(str(tmp_path / "out.pt"), key="model").tensors
+    folder = read_safetensors(str(tmp_path / "out" / "model.safetensors")).tensors
+    for param, saved in universal.items():
+        assert _bytes(written[param]) == _bytes(folder[param]) == _bytes(saved["fp32"]), param
+    tree, _ = read_torch_tree(str(tmp_path / "out.pt"))
+    state = tree["optimizer"]["state"]
+    names = [n for g in tree["optimizer"]["param_groups"] for n in g["param_names"]]
+    assert all(_bytes(state[pid]["exp_avg_sq"]) == _bytes(universal[n]["exp_avg_sq"]) for pid, n in enumerate(names))
 
 
 def test_inspect_json_says_the_format_the_ranks_the_global_shapes_and_the_optimizer():
@@ -317,8 +409,8 @@ def _shorter(flat, numel: int) -> FileTensor:
                                                                       numel * flat.spec.dtype.itemsize))
 
 
-def _optim(folder: Path, rank: int) -> Path:
-    return folder / TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def _optim(folder: Path, rank: int, prefix: str = "") -> Path:
+    return folder / TAG / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 @pytest.mark.parametrize("text", ["../zero3", "/etc", "global_step3/../../x", "..", "", "\x00\x01", "nope"])
@@ -347,11 +439,12 @@ def test_a_storage_record_shorter_than_its_partition_is_refused_naming_the_file(
     hostile.refused(folder, str(path))
 
 
-@pytest.mark.parametrize("name,rank", [("zero2", 1), ("zero3", 0)])
+@pytest.mark.parametrize("name,rank", [("zero2", 1), ("zero3", 0), ("bf16-zero1", 1), ("bf16-zero3", 0)])
 def test_a_missing_rank_file_is_refused_naming_it(hostile, name, rank):
     folder = hostile.copy(name)
-    _optim(folder, rank).unlink()
-    hostile.refused(folder, str(_optim(folder, rank)), "missing")
+    path = _optim(folder, rank, "bf16_" if name.startswith("bf16") else "")
+    path.unlink()
+    hostile.refused(folder, str(path), "missing")
 
 
 def test_a_missing_zero3_model_states_file_is_refused_naming_it(hostile):
@@ -426,6 +519,25 @@ def test_an_optimizer_state_that_is_not_zeros_is_refused(hostile):
         _rewrite(_optim(folder, rank), edit)
         os.rename(_optim(folder, rank), _optim(folder, rank).with_name("bf16_" + _optim(folder, rank).name))
     hostile.refused(folder, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_stage")
+
+
+@pytest.mark.parametrize("spoil", ["renamed", "loss_scaler", "no clip_grad"])
+def test_a_bf16_optimizer_file_that_is_not_quite_its_layout_is_refused(hostile, spoil):
+    # BF16_Optimizer's files are read by what they are: named bf16_…, its keys, no loss scaler
+    folder = hostile.copy("bf16-zero1")
+    for rank in (0, 1):
+        path = _optim(folder, rank, "bf16_")
+        if spoil == "renamed":
+            os.rename(path, _optim(folder, rank))
+        else:
+            def edit(tree):
+                node = tree["optimizer_state_dict"]
+                if spoil == "loss_scaler":
+                    node["loss_scaler"] = 1.0
+                else:
+                    del node["clip_grad"]
+            _rewrite(path, edit)
+    hostile.refused(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "no zero_stage", "BF16_Optimizer")
 
 
 def test_an_elastic_optimizer_state_without_param_groups_is_refused(hostile):

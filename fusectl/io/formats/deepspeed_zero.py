@@ -18,8 +18,17 @@
   ``fp32_flat_groups`` (one per sub-group; the last rank's piece padded), the moments in
   ``optimizer_state_dict`` laid out alike.
 
+In mixed precision (a ``bf16`` or ``fp16`` section in the DeepSpeed config) the model states'
+``module`` holds the 16-bit weights (ZeRO 3: empty placeholders) and the optimizer states the
+fp32 master weights, laid out as above; with bf16 every optimizer file is named ``bf16_…``.
+bf16 with ZeRO 1 and fp32 gradient accumulation (``data_types.grad_accum_dtype``) is DeepSpeed's
+``BF16_Optimizer``, whose files hold no ``zero_stage``: ZeRO 1's layout, each flat group aligned
+to ``2 × N`` elements and cut into N equal partitions, the last rank's padding kept (its moments
+alike). DeepSpeed's ``zero_to_fp32`` refuses those files ("not a zero checkpoint");
+``ds_to_universal`` reads them.
+
 :func:`read_zero` gives the fp32 master weights as DeepSpeed's ``zero_to_fp32``
-(``get_fp32_state_dict_from_zero_checkpoint``) gives them — the buffers (floating ones as
+(``get_fp32_state_dict_from_zero_checkpoint``) gives them, never the 16-bit copies — the buffers (floating ones as
 float32), the frozen parameters, the trained ones in ``param_shapes`` order, then the tied
 names — each trained parameter a :class:`~fusectl.tensors.RangesTensor` of the ranges of every
 rank's file that hold it: consolidating copies file ranges, it never holds the model. Beside
@@ -81,6 +90,10 @@ _OPTIM_STATES = re.compile(r"(bf16_)?zero_pp_rank_([0-9]{1,6})_mp_rank_([0-9]{1,
 _EXPERT_STATES = re.compile(r"(expp_rank_[0-9]+|layer_[0-9]+_expert_[0-9]+|expert_[0-9]+)_mp_rank_.*\.pt")
 _TAG_BYTES = 255  # a tag is a folder's name
 _STAGES = {1: "optimizer_states", 2: "gradients", 3: "weights"}  # ZeroStageEnum's members
+# what BF16_Optimizer.state_dict() always holds (beside ds_version, param_slice_mappings and,
+# where recorded, universal_checkpoint_info); ZeRO's optimizers hold a loss_scaler, it none
+_BF16_OPTIMIZER = frozenset({"clip_grad", "base_optimizer_state", "single_partition_of_fp32_groups",
+                             "group_paddings", "partition_count"})
 _F32 = dtypes.BY_NAME["F32"]
 _HOW = "give the folder engine.save_checkpoint wrote (or its tag folder, global_stepN) as DeepSpeed left it"
 
@@ -281,9 +294,10 @@ def read_zero(path: str, key: str | None = None, check_link: Callable[[str], Non
     first = files.optim[min(files.optim)]
     optim = {first: _optimizer_states(read_tree(first, check), first)}
     stage, world = optim[first].stage, optim[first].world
+    prefix = "bf16_" if os.path.basename(first).startswith("bf16_") else ""
     for rank in range(world):
         if rank not in files.optim:
-            missing = os.path.join(folder, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+            missing = os.path.join(folder, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
             raise CheckpointError(f"{printable(missing)}: missing; {printable(first)} was written by {world} ranks, "
                                   "and every rank's file is needed")
     for rank in sorted(files.optim):
@@ -317,6 +331,8 @@ def read_zero(path: str, key: str | None = None, check_link: Callable[[str], Non
     version = states[0].tree.get("ds_version")
     if type(version) is str:
         distributed["ds_version"] = version
+    if ranks[0].bf16_optimizer:
+        distributed["optimizer"] = "BF16_Optimizer"
     return training_contents(path, read, states[0], weights, frozen, groups, names, moments,
                              f"deepspeed-zero{stage}", distributed)
 
@@ -350,7 +366,8 @@ class _OptimizerStates:
     partitioned over, the ``flats`` (fp32 master partitions, one per flat group), the
     ``param_groups`` of the base optimizer, its ``states`` per flat group (state key → value)
     and ``paddings`` (ZeRO 1/2: per flat group the padding this rank's moments hold past its
-    weights' partition; per group the alignment padding after each parameter)."""
+    weights' partition; per group the alignment padding after each parameter);
+    ``bf16_optimizer`` whether DeepSpeed's ``BF16_Optimizer`` wrote it (ZeRO 1's layout)."""
 
     path: str
     tree: dict
@@ -361,6 +378,7 @@ class _OptimizerStates:
     states: dict[int, dict]
     group_paddings: list[int]
     alignment: list[list[int]] | None
+    bf16_optimizer: bool = False
 
 
 def _optimizer_states(tree: dict, path: str) -> _OptimizerStates:
@@ -368,11 +386,15 @@ def _optimizer_states(tree: dict, path: str) -> _OptimizerStates:
     if not isinstance(node, dict):
         raise _corrupt(path, "optimizer_state_dict", node, "a dict")
     where = "optimizer_state_dict."
-    if "zero_stage" not in node:
-        raise CheckpointError(f"{printable(path)}: its optimizer state has no zero_stage: not ZeRO's (DeepSpeed's "
-                              "bf16 or fp16 optimizer without ZeRO keeps its master weights in a layout fusectl does "
-                              "not read); convert it with DeepSpeed's zero_to_fp32.py, or save with ZeRO stage 1-3")
-    stage = stage_of(node["zero_stage"], path)
+    bf16_optimizer = "zero_stage" not in node and os.path.basename(path).startswith("bf16_") and \
+        _BF16_OPTIMIZER <= set(node) and "loss_scaler" not in node
+    if "zero_stage" not in node and not bf16_optimizer:
+        raise CheckpointError(f"{printable(path)}: its optimizer state has no zero_stage and is not DeepSpeed's "
+                              f"BF16_Optimizer's (a bf16_ file holding {', '.join(sorted(_BF16_OPTIMIZER))} and no "
+                              "loss_scaler): not a ZeRO checkpoint fusectl knows (DeepSpeed's fp16 or bf16 optimizer "
+                              "without ZeRO keeps its master weights in a layout fusectl does not read); save with "
+                              "ZeRO stage 1-3")
+    stage = 1 if bf16_optimizer else stage_of(node["zero_stage"], path)
     count = _entry(node, "partition_count", path, where)
     counts = count if type(count) is list else [count]
     if not counts or not all(type(c) is int and c >= 1 for c in counts) or len(set(counts)) != 1:
@@ -407,7 +429,7 @@ def _optimizer_states(tree: dict, path: str) -> _OptimizerStates:
     if alignment is not None and (type(alignment) is not list or not all(
             type(a) is list and all(type(p) is int and p >= 0 for p in a) for a in alignment)):
         raise _corrupt(path, where + "param_alignment_paddings", alignment, "a list of paddings per group")
-    return _OptimizerStates(path, node, stage, world, flats, groups, states, paddings, alignment)
+    return _OptimizerStates(path, node, stage, world, flats, groups, states, paddings, alignment, bf16_optimizer)
 
 
 def param_groups(node: object, path: str, what: str) -> list[dict]:
