@@ -216,7 +216,7 @@ def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_pa
         _folder_name(name, where, OutputError)
     raw = node_at(root, optimizer_path)
     state = parse_optimizer(raw, key_text(optimizer_path), folder)
-    groups = _named_groups(state, metadata, where)
+    groups = named_groups(state, metadata, where)
     kept: dict[int, str] = {}
     shared = {}
     for name, tensor in model.items():
@@ -269,8 +269,11 @@ def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_pa
     _write(folder, f"global_step{step}", model_states, optimizer_state, files, metadata)
 
 
-def _named_groups(state, metadata: Mapping[str, str], where: str) -> list[list[str]]:
-    """Each param group's parameters by name: its ``param_names``, else fusectl's record."""
+def named_groups(state, metadata: Mapping[str, str], where: str, output: str = "a universal checkpoint") -> \
+        list[list[str]]:
+    """Each param group's parameters by name: its ``param_names``, else fusectl's record
+    (``metadata``); OutputError naming ``where`` and ``output`` (the kind written, which keeps
+    each parameter's state under its name) for an optimizer of ids without either."""
     if all(g.param_names is not None for g in state.groups):
         return [list(g.param_names) for g in state.groups]
     if state.form != "ids":  # keyed by name (torch.distributed.checkpoint's forms)
@@ -278,7 +281,7 @@ def _named_groups(state, metadata: Mapping[str, str], where: str) -> list[list[s
     recorded = metadata.get(NAMES_KEY)
     names = json.loads(recorded) if recorded else None
     if not isinstance(names, list) or len(names) != len(state.ids()):
-        raise OutputError(f"{where}: the optimizer names no parameters (param_names), and a universal checkpoint "
+        raise OutputError(f"{where}: the optimizer names no parameters (param_names), and {output} "
                           "keeps each parameter's state under its name; give the optimizer's state with its names")
     out, k = [], 0
     for g in state.groups:
