@@ -65,15 +65,16 @@ from .write import WriteReport, output_metadata
 
 
 def _write_dcp(folder: str, root, model_path: KeyPath, optimizer_path: KeyPath, metadata: Mapping[str, str],
-               name: str) -> None:
+               out: str) -> None:
     from .io.formats.dcp_writer import write_dcp
-    write_dcp(folder, root, model_path, optimizer_path, metadata, checkpoint_id=name)
+    write_dcp(folder, root, model_path, optimizer_path, metadata, checkpoint_id=os.path.basename(os.path.normpath(out)),
+              where=printable(out))
 
 
 def _write_universal(folder: str, root, model_path: KeyPath, optimizer_path: KeyPath, metadata: Mapping[str, str],
-                     name: str) -> None:
+                     out: str) -> None:
     from .io.formats.deepspeed_universal import write_universal
-    write_universal(folder, root, model_path, optimizer_path, metadata)
+    write_universal(folder, root, model_path, optimizer_path, metadata, where=printable(out))
 
 
 # the folders a training checkpoint is written as with ``--to`` (``to=``): a DCP folder that
@@ -361,8 +362,7 @@ def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder
             write_torch_file(temp, root, metadata=metadata)
         else:
             training = checkpoint.training
-            TARGETS[to](temp, root, training.model_path, training.optimizer_path, metadata,
-                        os.path.basename(os.path.normpath(out)))
+            TARGETS[to](temp, root, training.model_path, training.optimizer_path, metadata, out)
     nbytes = sum(t.spec.nbytes for t in written.values())
     copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
     return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),

@@ -289,3 +289,22 @@ def test_deepspeed_resumes_a_zero2_checkpoint_written_to_ds_universal(tmp_path):
     got = _resume("resume-ds-universal", out, 1, "--stage", "2")
     assert got["arch"] == "llama" and got["ranks"] == 1
     assert max(abs(a - b) for a, b in zip(got["losses"], _uninterrupted("deepspeed-zero2"), strict=True)) <= 1e-5
+
+
+def test_a_trainer_folder_and_an_optimizer_without_names_are_refused_naming_the_output(tmp_path):
+    out = tmp_path / "out"
+    refused(run_cli("convert", FIXTURES / "training" / "trainer" / "checkpoint-2", "-o", out, "--to", "dcp"),
+            "is a Hugging Face Trainer folder", unwritten=[out])
+    # a torch optimizer of bare ids, written as read: no name to key its state by
+    result = run_cli("convert", FIXTURES / "training" / "llama-adamw.pt", "-o", out, "--to", "dcp")
+    refused(result, f"{out}: the optimizer names no parameters", unwritten=[out])
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_fused_training_dict_names_its_optimizer_by_fusectls_record(tmp_path):
+    out = tmp_path / "out"
+    ok(run_cli("fuse", FIXTURES / "training" / "llama-adamw.pt", "-r", "llama-qkv", "-o", out, "--to", "dcp"))
+    back = read_dcp(str(out))
+    optim = back.training.tree()["optim"]
+    assert sorted(optim["state"]) == sorted(p for g in optim["param_groups"] for p in g["params"])
+    assert set(optim["state"]) <= set(back.tensors) and "model.layers.0.self_attn.qkv_proj.weight" in optim["state"]

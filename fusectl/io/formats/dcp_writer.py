@@ -58,7 +58,7 @@ _CLASSES = Records((*RECORDS.names, "torch.Size")).classes
 
 
 def write_dcp(folder: str, root: object, model_path: KeyPath, optimizer_path: KeyPath | None,
-              metadata: Mapping[str, str], checkpoint_id: str | None = None) -> None:
+              metadata: Mapping[str, str], checkpoint_id: str | None = None, where: str | None = None) -> None:
     """Write the training tree ``root`` as a DCP folder in ``folder`` (made if missing;
     ``atomic_output``'s temporary: the caller renames it into place).
 
@@ -69,6 +69,8 @@ def write_dcp(folder: str, root: object, model_path: KeyPath, optimizer_path: Ke
     :param metadata: fusectl's record (its provenance), written to ``fusectl_metadata.json``.
     :param checkpoint_id: the name ``storage_meta`` records (``dcp.save``'s ``checkpoint_id``;
         default: the folder's name).
+    :param where: the output as messages name it (default: ``folder``; the final name where
+        ``folder`` is a temporary one).
     :raises OutputError: naming the entry: an optimizer without parameter names, one that trains
         a parameter the model does not hold, two entries that flatten to one key, a value torch
         cannot hold; CheckpointError: a malformed optimizer. Nothing is written then but what
@@ -82,7 +84,7 @@ def write_dcp(folder: str, root: object, model_path: KeyPath, optimizer_path: Ke
     >>> sorted(os.listdir(out))
     ['.metadata', '__0_0.distcp']
     """
-    where = printable(folder)
+    where = where or printable(folder)
     items = flatten(dcp_tree(root, model_path, optimizer_path, metadata, where), where)
     entries, planner, storage = {}, {}, {}
     place = os.path.join(folder, RANK_FILE)
