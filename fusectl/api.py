@@ -39,8 +39,8 @@ from .table import ParamTable
 from .ties import declare_ties, detect_ties
 from .io.formats.trainer_folder import TrainerOptimizer, is_training_state
 from .trainer_output import write_trainer_folder
-from .training_output import left_out, model_steps, model_ties, moves_state, write_container, write_training, \
-    writes_training
+from .training_output import TARGETS, left_out, model_steps, model_ties, moves_state, write_container, \
+    write_training, writes_training
 from .twins import MovedTwin, move_twins
 from .write import DEFAULT_SHARD_SIZE, write_table
 
@@ -220,6 +220,31 @@ def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
                         f"{option_name('drop_optimizer')} has nothing to drop; leave it out")
 
 
+def _whole(checkpoint: Checkpoint, out, to: str | None, drop_optimizer: bool, max_shard_size: int | None) -> bool:
+    """Whether ``out`` is ``checkpoint``'s training state written whole, optimizer included
+    (``training_output.writes_training``, or ``to``: a folder of that format). PlanError for a
+    ``to`` that cannot be: an unknown format, an output that is not a folder, a checkpoint
+    without an optimizer (or a Trainer folder), with ``drop_optimizer`` or ``max_shard_size``."""
+    if to is None:
+        return writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
+    flag = f"{option_name('to')} {to}"
+    if to not in TARGETS:
+        raise PlanError(f"{option_name('to')} {quote(to)}: fusectl writes {' or '.join(TARGETS)}")
+    if output_kind(os.fspath(out)) != "folder":
+        raise PlanError(f"{os.fspath(out)}: {flag} writes a folder; give {option_name('out')} a folder (a path "
+                        "without a file suffix)")
+    if not _has_optimizer(checkpoint) or isinstance(checkpoint.training, TrainerOptimizer):
+        what = "is a Hugging Face Trainer folder" if _has_optimizer(checkpoint) else "holds no optimizer state"
+        raise PlanError(f"{printable(str(checkpoint.path))} {what}; {flag} writes a training checkpoint (a model and "
+                        "its optimizer, as a DeepSpeed or torch.distributed.checkpoint folder, a training .pt holds "
+                        f"them); leave {option_name('to')} out to write the model")
+    for name, given in (("drop_optimizer", drop_optimizer), ("max_shard_size", max_shard_size is not None)):
+        if given:
+            raise PlanError(f"{flag} writes the whole training state, unsharded; {option_name(name)} does not "
+                            "apply, leave it out")
+    return True
+
+
 def _untied_training(checkpoint: Checkpoint, plan: Plan, untie_training: bool) -> list[list[str]]:
     """The tie groups of trained parameters ``plan`` breaks, in a plan carrying the optimizer's
     state (the state of a tied parameter is tied alike, ``Checkpoint.training_table``). Without
@@ -335,7 +360,7 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
            param_order_out: str | None = None, moved: Plan | None = None,
            param_order_from_model: bool = False, dropped: bool = False,
            untied: Sequence[Sequence[str]] = (), twins: Sequence[MovedTwin] = (),
-           state_copied: bool = False) -> FuseReport:
+           state_copied: bool = False, to: str | None = None) -> FuseReport:
     """Write ``table``, recording ``history + new`` as its provenance; ``new``'s [config] edits
     change the output's config.json (adapter_config.json). A LoRA adapter is written as
     ``adapter_model.safetensors`` with the base plan its steps were lifted from.
@@ -350,7 +375,8 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
     the plan broke (``untie_training``); both go into the report's ``optimizer``. ``twins``: the
     model's copies after the plan (``fusectl.twins``), written at their keys of a training dict.
     ``state_copied``: a training dict written whole whose plan moves no parameter
-    (``training_output.moves_state``): ``table`` is the model's, the optimizer is written as read."""
+    (``training_output.moves_state``): ``table`` is the model's, the optimizer is written as read.
+    ``to``: the training dict written whole as a folder of that format (``training_output.TARGETS``)."""
     out = os.fspath(out)
     training = checkpoint.training
     trainer = isinstance(training, TrainerOptimizer)
@@ -383,10 +409,10 @@ def _write(checkpoint: Checkpoint, table: ParamTable, history: Plan, new: Plan, 
         order = keys_for(checkpoint, table, made, recorded)
         if whole_training and not state_copied:
             report = write_training(checkpoint, table, made, out, order=order, param_order_out=param_order_out,
-                                    restore=moved is not None, force=force, on_note=on_note, twins=twins)
+                                    restore=moved is not None, force=force, on_note=on_note, twins=twins, to=to)
         else:  # no optimizer, one no step moves (written as read), or one dropped: the training dict whole
             report = write_container(checkpoint, table, made, out, order=order, drop_optimizer=dropped, force=force,
-                                     on_note=on_note, twins=twins)
+                                     on_note=on_note, twins=twins, to=to)
         return FuseReport(out, report.tensors, report.unique_bytes, report.written_bytes, report.copied_bytes,
                           len(recorded.steps), model_ties(table), optimizer=fate,
                           twins=tuple(t.twin.where for t in twins))
@@ -467,7 +493,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          progress: bool | None = False, on_note: Callable[[str], None] | None = None,
          param_order: str | None = None, param_order_out: str | None = None,
          param_order_from_model: bool = False, drop_optimizer: bool = False,
-         untie_training: bool = False) -> FuseReport:
+         untie_training: bool = False, to: str | None = None) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -511,6 +537,10 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
         purpose (the report's ``optimizer.state`` says ``"dropped"``).
     :param untie_training: as :func:`plan`'s: break ties of trained parameters, each member
         getting its own copy of the one state (the report's ``optimizer.untied`` lists them).
+    :param to: ``"dcp"`` or ``"ds-universal"``: write the training checkpoint whole (as a
+        ``.pt`` output is written) as a folder ``out`` of that format: a torch.distributed.checkpoint
+        folder that ``dcp.load`` reads on any number of ranks, or a DeepSpeed universal
+        checkpoint (PlanError for an input without an optimizer, or an output that is not a folder).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
         optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out``
@@ -526,7 +556,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
-    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
+    whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
                         "whole (a PyTorch output of a training dict with an optimizer, a folder output of a Trainer "
@@ -538,12 +568,12 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
-    twins = _moved_twins(checkpoint, planned.start, planned.plan, out)
+    twins = _moved_twins(checkpoint, planned.start, planned.plan, out, to)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
                          whole_training=whole, param_order_out=param_order_out,
                          param_order_from_model=param_order_from_model, dropped=drop_optimizer,
-                         untied=untied, twins=twins, state_copied=copied), started)
+                         untied=untied, twins=twins, state_copied=copied, to=to), started)
 
 
 def _may_copy_state(checkpoint: Checkpoint, param_order_out) -> bool:
@@ -553,11 +583,12 @@ def _may_copy_state(checkpoint: Checkpoint, param_order_out) -> bool:
     return param_order_out is None and not isinstance(checkpoint.training, TrainerOptimizer)
 
 
-def _moved_twins(checkpoint: Checkpoint, start: ParamTable, plan: Plan, out) -> list[MovedTwin]:
+def _moved_twins(checkpoint: Checkpoint, start: ParamTable, plan: Plan, out, to: str | None = None) -> list[MovedTwin]:
     """The model's copies in a training dict (an EMA) after the model's steps of ``plan``, which
     started from ``start``, when ``out`` is the training dict written whole (with or without
-    its optimizer state); none otherwise (an output of the model alone)."""
-    if isinstance(checkpoint.training, TrainerOptimizer) or not writes_training(checkpoint, out):
+    its optimizer state; ``to``: as a folder of that format); none otherwise (an output of the
+    model alone)."""
+    if isinstance(checkpoint.training, TrainerOptimizer) or not (to or writes_training(checkpoint, out)):
         return []
     return move_twins(checkpoint, start, model_steps(plan))
 
@@ -566,7 +597,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            untie: bool = False, write_ties_once: bool = False, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
-           untie_training: bool = False, param_order: str | None = None) -> FuseReport:
+           untie_training: bool = False, param_order: str | None = None, to: str | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
@@ -600,6 +631,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     :param param_order: as :func:`plan`'s: the fused optimizer's parameter order (the fused
         model's ``named_parameters()``), for a file without fusectl's record whose shapes do not
         prove it.
+    :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
+        (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
         tensors; OutputError as :func:`fuse`.
@@ -616,7 +649,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
+    whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     untie = untie or untie_training
     copied = False
     if rules:
@@ -636,7 +669,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
             start, planned, proof = bound(whole)
         untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
         table = run_plan(start, planned.plan, str(checkpoint.path), untie)
-        twins = _moved_twins(checkpoint, start, planned.plan, out)
+        twins = _moved_twins(checkpoint, start, planned.plan, out, to)
         history, new = (checkpoint.provenance.plan if checkpoint.provenance else Plan()), planned.plan
         lora_base = planned.lora_base
         if proof.left_alone and on_note is not None:
@@ -657,13 +690,13 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
             inverse = lift_recorded(start, inverse, checkpoint.followers.riders(), untie)
         untied = _untied_training(checkpoint, inverse, untie_training) if whole and not copied else []
         table = run_plan(start, inverse, f"{checkpoint.path} (provenance)", untie)
-        twins = _moved_twins(checkpoint, start, inverse, out)
+        twins = _moved_twins(checkpoint, start, inverse, out, to)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
-                         moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied),
-                  started)
+                         moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied,
+                         to=to), started)
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:
@@ -681,7 +714,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
             write_ties_once: bool = False, config: str | None = None, follow_symlinks: bool = False,
             key: str | None = None, progress: bool | None = False,
             on_note: Callable[[str], None] | None = None, param_order: str | None = None,
-            drop_optimizer: bool = False) -> FuseReport:
+            drop_optimizer: bool = False, to: str | None = None) -> FuseReport:
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
@@ -706,6 +739,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     :param param_order: as :func:`plan`'s: the optimizer's parameter order, where shapes do not
         prove it (only read where the mapping is needed: never for the state written as read).
     :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
+    :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
+        (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``), its optimizer as read.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
     :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
         no ``key``); OutputError as :func:`fuse`.
@@ -722,7 +757,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
-    whole = writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer and \
+    whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size) and \
         not isinstance(checkpoint.training, TrainerOptimizer)
     table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:
@@ -730,7 +765,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer,
-                         state_copied=whole), started)
+                         state_copied=whole, to=to), started)
 
 
 def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,

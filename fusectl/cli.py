@@ -249,6 +249,11 @@ drop_option = click.option(
     "--drop-optimizer", "drop_optimizer", is_flag=True,
     help="Write a training checkpoint without its optimizer state, on purpose (a .pt output: the training "
          "dict without it, other entries kept); folds and rules the optimizer cannot follow then apply.")
+to_option = click.option(
+    "--to", "to", type=click.Choice(["dcp", "ds-universal"]), default=None,
+    help="Write a training checkpoint (model and optimizer) to the -o folder as a torch.distributed.checkpoint "
+         "folder (dcp: dcp.load reads it on any number of ranks) or a DeepSpeed universal checkpoint "
+         "(ds-universal: DeepSpeed resumes from it on any world size).")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
 order_option = click.option(
@@ -376,8 +381,9 @@ def with_output_options(fn):
 @model_order_option
 @untie_training_option
 @drop_option
+@to_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer):
+             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -390,7 +396,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
                    param_order_out=param_order_out, param_order_from_model=param_order_from_model,
-                   untie_training=untie_training, drop_optimizer=drop_optimizer), as_json)
+                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to), as_json)
 
 
 @command(main, "unfuse")
@@ -405,8 +411,9 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @untie_training_option
 @drop_option
 @order_option
+@to_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer, param_order):
+               untie_training, drop_optimizer, param_order, to):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -416,7 +423,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer, param_order=param_order), as_json)
+                     drop_optimizer=drop_optimizer, param_order=param_order, to=to), as_json)
 
 
 @command(main, "convert")
@@ -428,14 +435,16 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 @json_option
 @order_option
 @drop_option
+@to_option
 def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json, param_order,
-                drop_optimizer):
+                drop_optimizer, to):
     """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
 
     Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
     without torch), an ONNX model's initializers, safetensors, npz. Tensors stored as file
     ranges are copied without decoding; shared storages and ties are written once. A training
-    dict written to a PyTorch file keeps its optimizer state and every other entry.
+    dict written to a PyTorch file keeps its optimizer state and every other entry; with --to,
+    a training checkpoint is written whole to a DCP or DeepSpeed universal folder.
 
     \b
     Example:
@@ -443,7 +452,7 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     """
     _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
                       config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note,
-                      param_order=param_order, drop_optimizer=drop_optimizer), as_json)
+                      param_order=param_order, drop_optimizer=drop_optimizer, to=to), as_json)
 
 
 @command(main, "map")

@@ -91,6 +91,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "param_order_out": ("--param-order-out", _VALUE, "FILE"),
     "param_order_from_model": ("--param-order-from-model", _FLAG, ""),
     "max_shard_size": ("--max-shard-size", _VALUE, "SIZE"),
+    "to": ("--to", _VALUE, "FORMAT"),
     "out": ("-o", _VALUE, "OUT"),
     "graph": ("--graph", _VALUE, "GRAPH"),
     "provider": ("--provider", _VALUE, "PROVIDER"),

@@ -64,6 +64,24 @@ from .tensors import LazyTensor, TensorSpec
 from .write import WriteReport, output_metadata
 
 
+def _write_dcp(folder: str, root, model_path: KeyPath, optimizer_path: KeyPath, metadata: Mapping[str, str],
+               out: str) -> None:
+    from .io.formats.dcp_writer import write_dcp
+    write_dcp(folder, root, model_path, optimizer_path, metadata, checkpoint_id=os.path.basename(os.path.normpath(out)),
+              where=printable(out))
+
+
+def _write_universal(folder: str, root, model_path: KeyPath, optimizer_path: KeyPath, metadata: Mapping[str, str],
+                     out: str) -> None:
+    from .io.formats.deepspeed_universal import write_universal
+    write_universal(folder, root, model_path, optimizer_path, metadata, where=printable(out))
+
+
+# the folders a training checkpoint is written as with ``--to`` (``to=``): a DCP folder that
+# ``dcp.load`` reads on any number of ranks, a DeepSpeed universal checkpoint
+TARGETS: dict[str, Callable[..., None]] = {"dcp": _write_dcp, "ds-universal": _write_universal}
+
+
 def writes_training(checkpoint: Checkpoint, out) -> bool:
     """Whether ``out`` is ``checkpoint``'s container written whole: a training dict (the dict
     around the state dict read, with or without an optimizer) written as a PyTorch file, or a
@@ -96,7 +114,8 @@ def left_out(checkpoint: Checkpoint, shown: int = 8) -> list[str]:
 
 def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: str, *, order: KeyOrder,
                    param_order_out: str | None = None, restore: bool = False, force: bool = False,
-                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
+                   on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = (),
+                   to: str | None = None) -> WriteReport:
     """Write the training dict of ``checkpoint`` with ``table`` (what ``plan`` made of its
     training table) as its model and optimizer state, ``twins`` (``fusectl.twins``: the
     model's copies after its plan) at their keys, in ``order`` (``key_order.keys_for``; a given
@@ -124,7 +143,7 @@ def write_training(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: s
     root = training_tree(training.tree(), training.model_path, model, training.optimizer_path, moved.optimizer,
                          twin_entries(checkpoint, twins))
     return _write_tree(checkpoint, table, root, order, out, force, on_note,
-                       order_record(moved.names, checkpoint.original_order()))
+                       order_record(moved.names, checkpoint.original_order()), to=to)
 
 
 def moves_state(checkpoint: Checkpoint, plan: Plan) -> bool:
@@ -155,7 +174,8 @@ def _check_whole(checkpoint: Checkpoint, table: ParamTable, root) -> None:
 
 def write_container(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: str, *, order: KeyOrder,
                     drop_optimizer: bool = False, force: bool = False,
-                    on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = ()) -> WriteReport:
+                    on_note: Callable[[str], None] | None = None, twins: Sequence[MovedTwin] = (),
+                    to: str | None = None) -> WriteReport:
     """Write the training dict of ``checkpoint`` whole with ``table`` (what ``plan`` made of its
     model) as its model, in ``order``, ``twins`` at their keys (as :func:`write_training`),
     every other entry as it is: a dict without an optimizer (a Lightning checkpoint saved
@@ -174,7 +194,7 @@ def write_container(checkpoint: Checkpoint, table: ParamTable, plan: Plan, out: 
     if drop_optimizer and training.optimizer_path is not None:
         root = without_optimizer(root, training.optimizer_path)
     record = {k: v for k, v in checkpoint.metadata.items() if k in RECORD_KEYS} if kept else None
-    return _write_tree(checkpoint, table, root, order, out, force, on_note, record, model_alone=True)
+    return _write_tree(checkpoint, table, root, order, out, force, on_note, record, model_alone=True, to=to)
 
 
 def model_dict(node: Mapping, tensors: Mapping[str, LazyTensor], plan: Plan, inputs: set[str],
@@ -315,9 +335,12 @@ def moved_optimizer(checkpoint: Checkpoint, table: ParamTable, plan: Plan, *, or
 
 
 def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder, out: str, force: bool,
-                on_note, record: Mapping[str, str] | None = None, model_alone: bool = False) -> WriteReport:
+                on_note, record: Mapping[str, str] | None = None, model_alone: bool = False,
+                to: str | None = None) -> WriteReport:
     """Write the training tree ``root`` whose model is ``table``'s, ``order.recorded`` as its
-    provenance (with ``order.record``), ``record`` (``optimizer_state.order_record``) beside it.
+    provenance (with ``order.record``), ``record`` (``optimizer_state.order_record``) beside it:
+    a PyTorch file, or, with ``to`` (:data:`TARGETS`), the folder of a format a distributed
+    trainer resumes from (a DCP folder, a DeepSpeed universal checkpoint).
     Where the input has an optimizer, a tensor of the model whose name holds the state separator
     is refused, in the input or, where ``table`` holds the model alone (the optimizer written as
     read, or left out), in ``table``: it would read as an optimizer state, its steps left out of
@@ -333,9 +356,13 @@ def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder
     metadata = {**shard_metadata([(n, t.spec) for n, t in model_table.written()]), **index_metadata,
                 **(record or {})}
     written = {id(t): t for t in tree_tensors(root)}
-    from .io.formats.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
-        write_torch_file(temp, root, metadata=metadata)
+        if to is None:
+            from .io.formats.torch_writer import write_torch_file  # PyTorch's writer loads its reader: only when needed
+            write_torch_file(temp, root, metadata=metadata)
+        else:
+            training = checkpoint.training
+            TARGETS[to](temp, root, training.model_path, training.optimizer_path, metadata, out)
     nbytes = sum(t.spec.nbytes for t in written.values())
     copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
     return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),

@@ -183,7 +183,7 @@ def _folder_name(name: str, where: str, error: type[Exception]) -> str:
 
 
 def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_path: KeyPath,
-                    metadata: Mapping[str, str]) -> None:
+                    metadata: Mapping[str, str], where: str | None = None) -> None:
     """Write the training tree ``root`` as a DeepSpeed universal checkpoint in ``folder`` (made
     if missing; ``atomic_output``'s temporary: the caller renames it into place).
 
@@ -192,6 +192,8 @@ def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_pa
         optimizer's ``state_dict()`` at ``optimizer_path`` (ids, each group's ``param_names``;
         else the names ``metadata`` records under ``fusectl.param_names``).
     :param metadata: fusectl's record (its provenance), kept in the model states file.
+    :param where: the output as messages name it (default: ``folder``; the final name where
+        ``folder`` is a temporary one).
     :raises OutputError: a parameter name that cannot be a folder's, a model entry that is not a
         tensor, an optimizer parameter the model does not hold or whose state is not shaped like
         it, an optimizer without parameter names; CheckpointError: a malformed optimizer.
@@ -205,7 +207,7 @@ def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_pa
     ZeRO-3 universal load that ``fixtures/distributed_train.py`` undoes are undone (left, it
     resumes as from ``ds_to_universal``'s own output: the same losses, 1.7e-3 off the run's).
     """
-    where = printable(folder)
+    where = where or printable(folder)
     model = node_at(root, model_path)
     if not isinstance(model, dict):
         raise OutputError(f"{where}: the model at {quote(key_text(model_path))} is not a state dict")
@@ -216,7 +218,7 @@ def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_pa
         _folder_name(name, where, OutputError)
     raw = node_at(root, optimizer_path)
     state = parse_optimizer(raw, key_text(optimizer_path), folder)
-    groups = _named_groups(state, metadata, where)
+    groups = named_groups(state, metadata, where)
     kept: dict[int, str] = {}
     shared = {}
     for name, tensor in model.items():
@@ -269,8 +271,11 @@ def write_universal(folder: str, root: object, model_path: KeyPath, optimizer_pa
     _write(folder, f"global_step{step}", model_states, optimizer_state, files, metadata)
 
 
-def _named_groups(state, metadata: Mapping[str, str], where: str) -> list[list[str]]:
-    """Each param group's parameters by name: its ``param_names``, else fusectl's record."""
+def named_groups(state, metadata: Mapping[str, str], where: str, output: str = "a universal checkpoint") -> \
+        list[list[str]]:
+    """Each param group's parameters by name: its ``param_names``, else fusectl's record
+    (``metadata``); OutputError naming ``where`` and ``output`` (the kind written, which keeps
+    each parameter's state under its name) for an optimizer of ids without either."""
     if all(g.param_names is not None for g in state.groups):
         return [list(g.param_names) for g in state.groups]
     if state.form != "ids":  # keyed by name (torch.distributed.checkpoint's forms)
@@ -278,7 +283,7 @@ def _named_groups(state, metadata: Mapping[str, str], where: str) -> list[list[s
     recorded = metadata.get(NAMES_KEY)
     names = json.loads(recorded) if recorded else None
     if not isinstance(names, list) or len(names) != len(state.ids()):
-        raise OutputError(f"{where}: the optimizer names no parameters (param_names), and a universal checkpoint "
+        raise OutputError(f"{where}: the optimizer names no parameters (param_names), and {output} "
                           "keeps each parameter's state under its name; give the optimizer's state with its names")
     out, k = [], 0
     for g in state.groups:

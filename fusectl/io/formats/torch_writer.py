@@ -80,19 +80,42 @@ def write_torch_file(path: str, root: object, *, on_progress: Progress | None = 
     pickled = pickler.dump(root)
     archive = _Archive(path, _archive_name(path))
     try:
-        archive.start(pickled)
-        for tensor in pickler.storages:
-            ranges = tensor.byte_ranges()
-            archive.storage(tensor.spec, ranges if ranges is not None else tensor.read())
-            if on_progress is not None:
-                on_progress(tensor.spec.nbytes)
-        archive.finish(metadata or {})
+        _fill(archive, pickled, pickler.storages, metadata or {}, on_progress)
         os.fsync(archive.fd)
     except BaseException:
         archive.abort()
         os.unlink(path)  # no half-written file left behind
         raise
     archive.close()
+
+
+def append_torch_archive(fd: int, writeback: Writeback, root: object, where: str) -> int:
+    """Append ``root`` to the open file ``fd`` at its position as one complete ``torch.save``
+    archive, as torch.save writes one to a stream (records under ``archive/``): an item of a
+    torch.distributed.checkpoint ``.distcp`` file, which torch reads back with ``torch.load`` of
+    the file's bytes from the item's offset. The same tree as :func:`write_torch_file` takes;
+    ``writeback`` is the file's own (told of every byte). Returns the archive's length in bytes.
+
+    :raises OutputError: naming ``where``: a value torch cannot hold, before anything is appended.
+    """
+    pickler = _Pickler(where)
+    pickled = pickler.dump(root)
+    archive = _Archive(where, "archive", sink=(fd, writeback))
+    _fill(archive, pickled, pickler.storages, {}, None)
+    return archive.length
+
+
+def _fill(archive: "_Archive", pickled: bytes, storages: list, metadata: Mapping[str, str],
+          on_progress: Progress | None) -> None:
+    """Every record of an archive: the pickle, each storage from its tensor's file ranges (or its
+    array), the closing records and the central directory."""
+    archive.start(pickled)
+    for tensor in storages:
+        ranges = tensor.byte_ranges()
+        archive.storage(tensor.spec, ranges if ranges is not None else tensor.read())
+        if on_progress is not None:
+            on_progress(tensor.spec.nbytes)
+    archive.finish(metadata)
 
 
 def pickle_tree(root: object, where: str) -> bytes:
@@ -506,14 +529,20 @@ def _stamps(ranges: Sequence[ByteRange]) -> dict[str, tuple[int, int]]:
 class _Archive:
     """The records of a torch.save zip, written in order straight to the file (unbuffered)."""
 
-    def __init__(self, path: str, name: str):
+    def __init__(self, path: str, name: str, sink: tuple[int, Writeback] | None = None):
+        """A new file at ``path``, or (``sink``: an open file and its writeback) one more archive
+        appended to a file of several (DCP's ``.distcp``), its offsets from its own start."""
         self.path, self.prefix = path, name
-        try:
-            self._file = open(path, "wb", buffering=0)
-        except OSError as e:
-            raise OutputError(f"{path}: cannot be written ({e.strerror})") from e
-        self.fd = self._file.fileno()
-        self._writeback = Writeback(self.fd)  # to disk while the rest is written
+        self._file = None
+        if sink is not None:
+            self.fd, self._writeback = sink
+        else:
+            try:
+                self._file = open(path, "wb", buffering=0)
+            except OSError as e:
+                raise OutputError(f"{path}: cannot be written ({e.strerror})") from e
+            self.fd = self._file.fileno()
+            self._writeback = Writeback(self.fd)  # to disk while the rest is written
         self._pos = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, header offset, size, crc
         self._buffer: memoryview | None = None
@@ -617,6 +646,11 @@ class _Archive:
         self._write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
         self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
                                 *(_U32 if n >= _ZIP64_AT else n for n in (size, start)), 0))
+
+    @property
+    def length(self) -> int:
+        """The bytes written so far."""
+        return self._pos
 
     def close(self) -> None:
         self._writeback.finish()
