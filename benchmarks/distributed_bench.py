@@ -42,8 +42,10 @@ What it measures
                OUT/, safe_serialization=True)`` (the fp32 weights as a safetensors folder: the
                same output as convert's); each followed by ``os.sync()``
 
-    The summary gives convert / (cp+sync) (the issue's bar: <= 1.0x) and, per method, peak RSS
-    minus the largest tensor (the bar for convert: under 100 MB, flat from 0.5GB to 2GB).
+    The summary gives convert / (cp+sync) as the ratio of the medians and as the median of each
+    round's own ratio (``fuse_bench._round_ratios``; the issue's bar, <= 1.0x, is judged on the
+    latter: the disk here is shared, and a round's two runs see the same load) and, per method,
+    peak RSS minus the largest tensor (the bar for convert: under 100 MB, flat from 0.5GB to 2GB).
 
 How it checks
     After the first round, convert's output must hold every parameter of the model with its
@@ -400,9 +402,10 @@ def report(runs, facts, floor_kb) -> tuple[str, dict]:
     for name, fact in facts.items():
         largest = fact["largest_tensor_bytes"] / MB
         if (name, "convert") in med and (name, "cp+sync") in med:
-            ratio = med[name, "convert"][0] / med[name, "cp+sync"][0]
-            out.append(f"{name}: convert / (cp+sync) = {ratio:.2f}x "
-                       f"({'within' if ratio <= TIME_BAR else 'OVER'} the {TIME_BAR:g}x bar)")
+            # the ratio of each round's two runs (close in time: a shared disk's load moves both)
+            # beside the ratio of the medians; the bar is judged on the former
+            labelled = [dict(r, size=r["checkpoint"]) for r in runs]
+            out.append(f"{name}: {fuse_bench._round_ratios(labelled, name, 'convert', 'cp+sync', med)}")
         if (name, "convert") in med:
             extra = med[name, "convert"][1] - largest
             out.append(f"{name}: convert peak RSS - largest tensor = {extra:.0f} MB "
