@@ -61,9 +61,13 @@ How to run
     Run it with the Python of a venv where fusectl is installed (fusectl is looked up beside
     it); ``--torch-python`` (default /work/venvs/torch/bin/python: torch 2.13.0 CPU, deepspeed
     0.19.8, transformers, numpy) generates the checkpoints and runs the frameworks' tools.
-    Disk: 1.6 GB per 0.5GB checkpoint, 6.5 GB per 2GB one, plus one size's outputs. Memory of
-    the generation: the two ranks together hold about 4 to 5 times the weights (2GB ZeRO-2:
-    each rank keeps the whole model, its fp32 partition and its moments).
+    Disk: 5.3 GB for the three 0.5GB checkpoints, 21.5 GB for the 2GB ones (ZeRO-2 8.6 GB: the
+    model states hold the weights once more), plus one checkpoint's outputs. Generating takes
+    20-40 s a checkpoint here; the processes' RSS summed (shared libraries counted in each) peaked
+    at 6.3 GB (dcp 2GB), 8.5 GB (zero2 2GB: each rank keeps the whole model and its fp32
+    partition) and 9.2 GB (zero3 2GB: each rank builds the whole model before DeepSpeed
+    partitions it); the moments cost nothing resident (``_adam_state``). The frameworks' tools
+    peak at 6.9 GB (dcp_to_torch_save, 2GB) and 4.6 GB (zero_to_fp32).
 
 Figures (this machine: 2-core Firecracker VM, Linux 6.18, 23 GB RAM shared with other jobs,
 ext4 on a virtio disk shared with other jobs; fusectl 0.1.0, torch 2.13.0 CPU, deepspeed 0.19.8;
@@ -125,7 +129,6 @@ SIZES = {
     "2GB": dict(LLAMA, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=32000, num_hidden_layers=9),
 }
-TIME_BAR = 1.0        # convert / (cp+sync), median wall time
 RSS_BAR_MB = 100      # convert's peak RSS minus the largest tensor
 SEED = 0
 
@@ -231,6 +234,8 @@ def _save_zero(stage, config, folder):
 
 
 def _generate_rank(rank, world, port, kind, config, folder):
+    """One rank of the generation (spawned): join the gloo group, save its part, leave."""
+    import torch.distributed as dist
     dt = _fixtures()
     dt._join(rank, world, port)
     try:
@@ -238,10 +243,8 @@ def _generate_rank(rank, world, port, kind, config, folder):
             _save_dcp(config, folder)
         else:
             _save_zero(int(kind.removeprefix("zero")), config, folder)
-        import torch.distributed as dist
         dist.barrier()
     finally:
-        import torch.distributed as dist
         dist.destroy_process_group()
 
 
