@@ -389,3 +389,17 @@ def test_ranks_whose_indexes_disagree_are_refused_naming_the_tensor(tmp_path, ed
     folder = _copy(tmp_path, "dcp-local")
     _edit(folder, edit, "__1.metadata")
     _refused(tmp_path, folder, *needles)
+
+
+def test_a_metadata_holding_the_ranks_save_plans_reads_as_records():
+    """megatron-core's torch_dist save keeps every rank's SavePlan in ``all_local_plans``
+    (fixtures/megatron, written by megatron-core 0.16.1): read as inert records, its layout the
+    same as any other .metadata's."""
+    path = FIXTURES / "megatron" / "gpt-tp2-torch_dist" / "iter_0000010" / ".metadata"
+    meta = read_pickle(path.read_bytes(), str(path), RECORDS)
+    plans = meta.state["all_local_plans"]
+    assert len(plans) == 2 and all(p.name == "torch.distributed.checkpoint.planner.SavePlan" for p in plans)
+    items = plans[0].state["items"]
+    assert {i.name for i in items} == {"torch.distributed.checkpoint.planner.WriteItem"}
+    qkv = meta.state["state_dict_metadata"]["decoder.layers.self_attention.linear_qkv.weight"]
+    assert tuple(qkv.state["size"]) == (2, 32, 16)

@@ -57,6 +57,8 @@ RECORDS = Records((
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     "torch.serialization._get_layout",
     "pathlib.PosixPath", "pathlib._local.PosixPath",  # StorageMeta's checkpoint_id
+    # Megatron's torch_dist keeps every rank's save plan in Metadata.all_local_plans
+    *("torch.distributed.checkpoint.planner." + n for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")),
 ))
 
 METADATA_FILE = "fusectl_metadata.json"  # fusectl's record (its provenance) in a DCP folder it wrote
