@@ -61,7 +61,7 @@ def test_convert_to_pt_writes_what_dcp_to_torch_save_writes_bitwise(tmp_path, na
 def test_a_tensor_cut_along_rows_is_the_byte_ranges_of_each_ranks_file():
     contents = read_dcp(str(DIST / "dcp"))
     q = contents.tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(q, RangesTensor) and q.spec.shape == (16, 16)
+    assert isinstance(q.opened, RangesTensor) and q.spec.shape == (16, 16)
     assert [os.path.basename(r.path) for r in q.byte_ranges()] == ["__0_0.distcp", "__1_0.distcp"]
     assert [r.length for r in q.byte_ranges()] == [8 * 16 * 4, 8 * 16 * 4]
     assert contents.distributed == {"world_size": 2}
@@ -272,6 +272,31 @@ def test_an_item_that_is_another_chunk_than_the_metadata_says_is_refused(tmp_pat
 
     _edit(folder, swap)
     _refused(tmp_path, folder, "__1_0.distcp", "F32[8, 16]", "F32[32, 16]", "embed_tokens.weight")
+
+
+def test_an_optimizer_item_is_checked_when_an_output_holds_it(tmp_path):
+    """The optimizer's items are opened when an output reads them, not when the folder is read
+    (a safetensors output of the model leaves two thirds of an Adam checkpoint's items alone):
+    two moments' chunks swapped, the model's folder is written and right, the training .pt is
+    refused naming the rank file, nothing written."""
+    folder = _copy(tmp_path, "dcp")
+    moment = "optim.state.model.layers.0.self_attn.q_proj.weight."
+
+    def swap(meta):
+        infos = {(index.state["fqn"], index.state.get("offset")): info.state
+                 for index, info in meta["storage_data"].items()}
+        a = infos[moment + "exp_avg", (8, 0)]
+        b = infos["optim.state.model.layers.0.mlp.up_proj.weight.exp_avg", (16, 0)]
+        for field in ("offset", "length"):
+            a[field], b[field] = b[field], a[field]
+
+    _edit(folder, swap)
+    out = tmp_path / "model"
+    ok(run_cli("convert", folder, "-o", out))
+    theirs, _ = read_torch_tree(str(DIST / "reference" / "dcp.pt"))
+    written = read_safetensors(str(out / "model.safetensors")).tensors
+    _same_tree(dict(written), {k: theirs["model"][k] for k in written})
+    _refused(tmp_path, folder, "__1_0.distcp", "F32[8, 16]", "F32[16, 16]", moment + "exp_avg")
 
 
 def test_a_truncated_rank_file_is_refused_naming_it(tmp_path):
