@@ -113,8 +113,9 @@ def _set_key(ctx, param, value):
 
 key_option = click.option(
     "--key", expose_value=False, callback=_set_key, metavar="KEY",
-    help="The state dict inside a PyTorch training dict (dotted for nesting: state.model); by "
-         "default the top level when it holds tensors, else the one nested dict that does.",
+    help="The state dict inside a PyTorch training dict or a torch.distributed.checkpoint folder "
+         "(dotted for nesting: state.model); by default the top level when it holds tensors, else "
+         "'model' or the one nested dict that does.",
 )
 
 
