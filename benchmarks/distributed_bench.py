@@ -97,7 +97,16 @@ ext4 on a virtio disk shared with other jobs; fusectl 0.1.0, torch 2.13.0 CPU, d
     os.copy_file_range alone: 0.27 s vs 0.38-0.40 s for 533 MB), and the safetensors layout fixes
     the destination offsets; DCP reads all 600 torch.save records of the rank files, the
     optimizer's included, to check each chunk (0.34 s of 1.8 s at 2GB, two thirds of it for
-    moments that a safetensors output does not hold).
+    moments that a safetensors output does not hold; since then the moments' records are opened
+    only by an output that holds them: reading the 2GB DCP folder 0.34 -> 0.26 s).
+
+    Two more 2GB runs (convert and cp+sync only, a quieter machine): ``--repeat 5`` gave per-round
+    medians DCP 1.22x, ZeRO-2 1.41x, ZeRO-3 2.80x with every other run slow (a run pays for the
+    disk's flush of the one before), so ``--settle`` (default 10 s) now waits after the sync before
+    each run; ``--repeat 3 --settle 10`` gave 0.80x, 0.73x, 1.13x, cp+sync of the same bytes still
+    2.4 to 8.7 s. Pooled over the 13 rounds of the three runs: medians DCP 2.47 s / 3.74 s = 0.66x,
+    ZeRO-2 2.01 s / 2.44 s = 0.82x, ZeRO-3 2.25 s / 3.35 s = 0.67x; convert the faster of the two in
+    4, 6 and 7 of the 13 rounds.
 """
 
 from __future__ import annotations
@@ -382,6 +391,7 @@ def run_checkpoint(name, kind, src, config, methods, args, tools):
             dst = output_path(out_dir, name, method, kind)
             fuse_bench.remove(dst)
             os.sync()
+            time.sleep(args.settle)
             cmd = method_command(method, kind, src, dst, reference, tools["fusectl"], args.torch_python,
                                  tools["scripts"])
             wall, rss, utime, stime = fuse_bench.measure(cmd, args.timeout)
@@ -471,6 +481,9 @@ def parse_args(argv):
                         help="measure this folder instead of generated ones (KIND: dcp or zero*)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"from {', '.join(METHODS)} (default all)")
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--settle", type=float, default=10.0,
+                        help="seconds to wait after the sync before each timed run, so that no run "
+                             "rides on or pays for the disk's flush of the one before (default 10)")
     parser.add_argument("--work", default=WORK, help=f"checkpoint cache and outputs (default {WORK})")
     parser.add_argument("--torch-python", default=TORCH_PYTHON,
                         help=f"a Python with torch, deepspeed and transformers (default {TORCH_PYTHON})")
@@ -483,6 +496,8 @@ def parse_args(argv):
     args.methods = comma_list(parser, "--methods", args.methods, METHODS)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.settle < 0:
+        parser.error("--settle must be 0 or more")
     pairs = []
     for item in args.checkpoint:
         kind, sep, folder = item.partition("=")

@@ -44,8 +44,8 @@ def test_measures_convert_and_cp_on_every_fixture_kind(tmp_path, capsys, monkeyp
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)   # main() drops it: undone after
     out = tmp_path / "bench.json"
     argv = [a for kind in KINDS for a in ("--checkpoint", f"{kind}={FIXTURES / kind}")]
-    status = bench.main([*argv, "--methods", "convert,cp+sync", "--repeat", "2", "--work", str(tmp_path / "w"),
-                         "--fusectl", _fusectl(), "--json", str(out)])
+    status = bench.main([*argv, "--methods", "convert,cp+sync", "--repeat", "2", "--settle", "0",
+                         "--work", str(tmp_path / "w"), "--fusectl", _fusectl(), "--json", str(out)])
     assert status == 0
     record = json.loads(out.read_text())
     names = [f"{kind}:{kind}" for kind in KINDS]
@@ -103,7 +103,7 @@ def test_report_ratios_and_bars():
 
 @pytest.mark.parametrize("argv", [["--checkpoint", "zero2"], ["--checkpoint", "bogus=/"],
                                   ["--checkpoint", "dcp=/no/such/folder"], ["--kinds", "zero4"],
-                                  ["--methods", "cat"], ["--repeat", "0"]])
+                                  ["--methods", "cat"], ["--repeat", "0"], ["--settle", "-1"]])
 def test_bad_arguments_exit_2(argv):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
