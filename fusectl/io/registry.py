@@ -30,7 +30,8 @@ from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
 from .output import FolderWriter, Output, single_file
 from .formats.safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
-from .sniff import MXNET_SUFFIXES, deepspeed_kind, is_dcp_folder, is_dcp_safetensors_folder, is_mxnet, is_pytorch
+from .sniff import (MXNET_SUFFIXES, deepspeed_kind, is_dcp_folder, is_dcp_safetensors_folder, is_megatron_legacy,
+                    is_mxnet, is_pytorch)
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ FORMATS: tuple[Format, ...] = (
     Format("dcp", (".distcp",), _lazy("dcp", "read_dcp"), takes_key=True, folder=is_dcp_folder),
     # torch.distributed.checkpoint saved as sharded safetensors (no index): a folder of shard-R-model-N-of-M files
     Format("dcp-safetensors", (), _lazy("dcp_safetensors", "read_dcp_safetensors"), folder=is_dcp_safetensors_folder),
+    # Megatron-LM's legacy save folder (or one iter_NNNNNNN folder): mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+    Format("megatron-legacy", (), _lazy("megatron", "read_megatron"), folder=is_megatron_legacy),
 )
 
 # files of formats fusectl does not read that hold weights all the same

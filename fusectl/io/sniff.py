@@ -67,6 +67,8 @@ DCP_RANK_METADATA = re.compile(r"__([0-9]{1,6})\.metadata")
 # save_distributed): shard-RRRRR-model-NNNNN-of-MMMMM.safetensors, its blocks' offsets in DCP_SHARDING_INFO
 DCP_SHARD_FILE = re.compile(r"shard-([0-9]{5,9})-model-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"  # Megatron-LM's save folder names its iteration there
+MEGATRON_RANK_FOLDER = re.compile(r"mp_rank_([0-9]{2,6})(?:_([0-9]{3,6}))?(?:_([0-9]{3,6}))?")  # _PPP, _EEE
 UNIVERSAL_FOLDER = "zero"  # ds_to_universal's folder of one folder per parameter
 
 
@@ -123,6 +125,18 @@ def is_dcp_safetensors_folder(path: str) -> bool:
         return os.path.isdir(path) and any(DCP_SHARD_FILE.fullmatch(n) for n in os.listdir(path))
     except OSError:
         return False
+
+
+def is_megatron_legacy(path: str) -> bool:
+    """Whether ``path`` is a Megatron-LM checkpoint folder: its save folder (holding
+    ``latest_checkpointed_iteration.txt``) or an iteration folder (``iter_NNNNNNN/``, holding
+    ``mp_rank_TT[_PPP][_EEE]`` folders). Only names are looked at."""
+    try:
+        names = os.listdir(path) if os.path.isdir(path) else []
+    except OSError:
+        return False
+    return MEGATRON_LATEST in names or any(
+        MEGATRON_RANK_FOLDER.fullmatch(n) and os.path.isdir(os.path.join(path, n)) for n in names)
 
 
 def deepspeed_kind(path: str) -> str | None:
