@@ -237,6 +237,8 @@ def _rank_files(folder: str, check_link: Callable[[str], None]) -> tuple[Paralle
         if not os.path.lexists(file):
             raise CheckpointError(f"{printable(file)}: missing; {printable(first)} says TP={par.tp} PP={par.pp} "
                                   f"EP={par.ep}, and every rank's file is needed")
+    for name, rank in expected.items():
+        file = os.path.join(folder, name, RANK_FILE)
         if os.path.lexists(os.path.join(folder, name, DISTRIB_OPTIM)):
             files.setdefault("distrib_optim", os.path.join(folder, name, DISTRIB_OPTIM))
         files[rank] = file
@@ -608,7 +610,9 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
     model: collections.OrderedDict[str, LazyTensor] = collections.OrderedDict()
     for name in order:
         entry = tensors[name]
-        for copies in entry.copies.values():
+        if entry.kind == "replicated":  # one tensor on every rank
+            _check_copies(name, [c for t in sorted(entry.copies) for c in entry.copies[t]])
+        for copies in entry.copies.values():  # one piece on every EP rank
             _check_copies(name, copies)
         if sorted(entry.copies) != list(range(par.tp)):
             raise CheckpointError(f"{printable(files[(0, 0, 0)])}: {quote(name)} is held by TP ranks "
@@ -630,9 +634,26 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
                    "iteration": iteration if type(iteration) is int else None,
                    "parallel": {n: tensors[n].kind for n in order}}
     read = [*([latest] if latest else []), *(files[r] for r in par.ranks())]
-    training = Training(path, ("model",), optimizer_path, lambda: tree, problem)
+    training = _Training(path, ("model",), optimizer_path, lambda: _whole(tree, problem), problem)
     return Contents(dict(model), read, ignored=extra, training=training, order=list(model),
                     distributed=distributed)
+
+
+class _Training(Training):
+    """A Megatron checkpoint's training state: its tree holds no copies of the model (twins)."""
+
+    def twins(self, model_names: set[str]) -> list:
+        """None: the tree holds the model and the optimizer only."""
+        return []
+
+
+def _whole(tree: dict, problem: str | None) -> dict:
+    """The training tree, which a PyTorch output writes whole; never one without the optimizer
+    fusectl could not map (a model-only output does not ask for it)."""
+    if problem is not None:
+        raise CheckpointError(f"{problem}, so fusectl writes no training dict of it; write the model to a "
+                              ".safetensors file or a folder instead")
+    return tree
 
 
 def _no_check(path: str) -> None:
