@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES, ok, refused, run_cli, snapshot
+from test_megatron_fixtures import RANKS
 from fusectl.io.formats.megatron import RECORDS, parallel_kind, read_megatron
 from fusectl.io.formats.safetensors_file import read_safetensors
 from fusectl.io.formats.torch_file import read_torch, read_torch_tree
@@ -33,13 +34,6 @@ from fusectl.io.registry import folder_format
 MEGATRON = FIXTURES / "megatron"
 ITER = "iter_0000010"
 NAMES = ["gpt-tp2", "gpt-tp2-pp2", "tied-tp2", "moe-ep2", "moe-tp2"]
-RANKS = {
-    "gpt-tp2": ["mp_rank_00", "mp_rank_01"],
-    "gpt-tp2-pp2": ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"],
-    "moe-ep2": ["mp_rank_00_000", "mp_rank_00_001"],
-    "moe-tp2": ["mp_rank_00", "mp_rank_01"],
-    "tied-tp2": ["mp_rank_00", "mp_rank_01"],
-}
 
 
 def reference(name: str) -> dict[str, bytes]:

@@ -66,6 +66,7 @@ from ..optimizer_state import Training
 from ..sniff import MEGATRON_LATEST, MEGATRON_RANK_FOLDER
 from ..untrusted import open_input
 from .chunks import assemble
+from .deepspeed_zero import _what  # how a pickled value is named in an error, as for DeepSpeed's files
 from .torch_file import Record, Records, read_torch_tree
 
 # the classes beyond the allow-list a model_optim_rng.pt pickles, read as inert records: the
@@ -664,13 +665,3 @@ def _corrupt(path: str, what: str, value: object, expected: str) -> CheckpointEr
     return CheckpointError(f"{printable(path)}: {quote(what)} is {_what(value)}, not {expected}; the file is corrupt "
                            "or not Megatron-LM's")
 
-
-def _what(value: object) -> str:
-    if isinstance(value, LazyTensor):
-        return f"a tensor {value.spec}"
-    if isinstance(value, Record):
-        return f"a {value.name}"
-    if type(value) in (int, float, bool) or value is None:
-        return repr(value)
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
