@@ -41,8 +41,9 @@ without weight decay), in the model's state-dict order within each. Its moments 
 exactly like their parameters into one ``optimizer.state_dict()`` of the TP=1 model (ids again
 in group order), beside the model in the training tree ``{"model", "optimizer"}``. An optimizer
 fusectl cannot map so (a mixed-precision optimizer's ``fp32_from_fp16_params``, other param
-groups, ``distrib_optim.pt``) leaves the model readable and is refused, naming why, by every
-output that needs it (``--drop-optimizer`` writes the model without it).
+groups, ``distrib_optim.pt``) leaves the model readable (``inspect`` shows the problem; a
+``.safetensors`` file or a folder of the model is written) and a PyTorch training-dict output is
+refused naming why, with ``--drop-optimizer`` too: fusectl never writes it without the optimizer.
 
 Every file is read through ``torch_file``'s scanned, allow-listed unpickler; Megatron's classes
 (:data:`RECORDS`) are inert records: nothing is imported or run. The folder is checked before
