@@ -1,4 +1,5 @@
-"""Presets megatron-gpt-to-llama and megatron-moe-to-mixtral on megatron-core's own full parameters.
+"""Presets megatron-gpt-to-llama, megatron-moe-to-mixtral and llama-to-megatron-gpt on megatron-core's own
+full parameters.
 
 fixtures/megatron/reference/NAME-full.safetensors are the TP=1 parameters megatron-core itself
 gathered from the trained checkpoints (fixtures/generate_megatron.py), under megatron's names;
@@ -6,7 +7,8 @@ fixtures/megatron/hf-config/ holds the Hugging Face config.json of each model, w
 transformers (fixtures/generate_megatron_hf_configs.py). Without torch: the output has exactly
 a Llama's / Mixtral's names and shapes, its q/k/v and gate/up are the rows the fixture script's
 layout facts name, and unfuse gives megatron's file back bitwise. With torch and transformers:
-the output, loaded by ``from_pretrained``, computes megatron's own TP=1 logits within 1e-5.
+the output, loaded by ``from_pretrained``, computes megatron's own TP=1 logits within 1e-5. A Llama
+without fusectl's provenance goes back with the forward preset llama-to-megatron-gpt, bitwise.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, array_of, load_checkpoint_raw, ok, parse_safetensors, refused, write_safetensors
+from conftest import (FIXTURES, array_of, load_checkpoint_raw, ok, parse_safetensors, refused, with_provenance,
+                      write_safetensors)
 
 REFERENCE = FIXTURES / "megatron" / "reference"
 CONFIGS = FIXTURES / "megatron" / "hf-config"
@@ -212,6 +215,36 @@ def test_a_config_whose_groups_disagree_is_refused(cli, tmp_path):
     out = tmp_path / "out"
     refused(cli("fuse", src, "-r", "megatron-gpt-to-llama", "--config", path, "-o", out),
             "rule 'attn-qkv'", "'decoder.layers.0.self_attention.linear_qkv.weight'", unwritten=[out])
+
+
+# ------------------------------------------------- Hugging Face Llama → Megatron (forward rules)
+
+
+@pytest.mark.parametrize("variant", ["gpt-tp2", "gpt-tp2-pp2", "tied-tp2"])
+def test_llama_without_provenance_goes_back_to_megatron_with_the_forward_preset(cli, tmp_path, variant):
+    """A Llama fusectl did not write (here: the converted file with its provenance removed) cannot
+    be unfused by rules; llama-to-megatron-gpt writes megatron-core's own full file bitwise."""
+    src, out = convert(cli, tmp_path, variant)
+    hub = with_provenance(out / "model.safetensors", tmp_path / "hub.safetensors")
+    config = CONFIGS / VARIANTS[variant][1] / "config.json"
+    guessed, megatron = tmp_path / "guessed.safetensors", tmp_path / "megatron.safetensors"
+    refused(cli("unfuse", hub, "-r", "megatron-gpt-to-llama", "--config", config, "-o", guessed),
+            "no fusectl provenance", "forward rules", unwritten=[guessed])
+    ok(cli("fuse", hub, "-r", "llama-to-megatron-gpt", "--config", config, "-o", megatron))
+    assert load_checkpoint_raw(megatron) == load_checkpoint_raw(src)
+    if variant.startswith("tied"):
+        assert parse_safetensors(megatron)[1]["output_layer.weight"] == "embedding.word_embeddings.weight"
+
+
+def test_a_llama_tensor_megatron_has_no_place_for_is_refused_by_name(cli, copy_fixture, tmp_path):
+    src = copy_fixture("tiny-llama-gqa")
+    tensors, meta = parse_safetensors(src / "model.safetensors")
+    tensors = {n: array_of(t) for n, t in tensors.items()}
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+    write_safetensors(src / "model.safetensors", tensors, meta)
+    out = tmp_path / "out"
+    refused(cli("fuse", src, "-r", "llama-to-megatron-gpt", "-o", out),
+            "rule 'uncovered'", "'model.layers.1.self_attn.rotary_emb.inv_freq'", unwritten=[out])
 
 
 # ------------------------------------------------- transformers computes megatron's logits

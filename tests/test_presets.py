@@ -40,6 +40,8 @@ PRESETS = {
                                                   "model.layers.0.self_attn.k_proj.weight"]),
     "megatron-gpt-to-llama": ("megatron/reference/gpt-tp2-full.safetensors",
                               [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkvo"] + ["lm_head.weight"]),
+    "llama-to-megatron-gpt": ("tiny-llama-gqa", ["decoder.layers.0.self_attention.linear_qkv.weight",
+                                                "decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]),
     "megatron-moe-to-mixtral": ("megatron/reference/moe-tp2-full.safetensors",
                                 [f"model.layers.0.block_sparse_moe.experts.3.w{n}.weight" for n in (1, 2, 3)]
                                 + ["model.layers.0.block_sparse_moe.gate.weight"]),
