@@ -133,28 +133,19 @@ def test_tied_head_is_written_as_an_alias_of_the_embedding(cli, tmp_path):
     assert parse_safetensors(back)[1]["output_layer.weight"] == "embedding.word_embeddings.weight"
 
 
-def test_tied_checkpoint_with_an_untied_config_is_refused(cli, tmp_path):
-    src = tmp_path / "tied.safetensors"
-    shutil.copy2(REFERENCE / "tied-tp2-full.safetensors", src)
+@pytest.mark.parametrize("variant, preset, config, needles", [
+    # Megatron stores no output_layer for a tied head; a config that does not tie leaves none
+    ("tied-tp2", "megatron-gpt-to-llama", "llama", ["rule 'head'", "matches nothing", "'output_layer.weight'"]),
+    ("moe-tp2", "megatron-gpt-to-llama", "mixtral",
+     ["rule 'not-moe'", "'decoder.layers.0.mlp.router.weight'", "megatron-moe-to-mixtral"]),
+    ("gpt-tp2", "megatron-moe-to-mixtral", "mixtral", ["rule 'router'", "matches nothing"]),
+])
+def test_a_preset_or_config_that_does_not_fit_the_model_is_refused(cli, tmp_path, variant, preset, config, needles):
+    src = tmp_path / "megatron.safetensors"
+    shutil.copy2(REFERENCE / f"{variant}-full.safetensors", src)
     out = tmp_path / "out"
-    refused(cli("fuse", src, "-r", "megatron-gpt-to-llama", "--config", CONFIGS / "llama" / "config.json", "-o", out),
-            "rule 'head'", "matches nothing", "'output_layer.weight'", unwritten=[out])
-
-
-def test_moe_checkpoint_given_the_dense_preset_is_refused(cli, tmp_path):
-    src = tmp_path / "moe.safetensors"
-    shutil.copy2(REFERENCE / "moe-tp2-full.safetensors", src)
-    out = tmp_path / "out"
-    refused(cli("fuse", src, "-r", "megatron-gpt-to-llama", "--config", CONFIGS / "mixtral" / "config.json", "-o", out),
-            "rule 'not-moe'", "'decoder.layers.0.mlp.router.weight'", "megatron-moe-to-mixtral", unwritten=[out])
-
-
-def test_dense_checkpoint_given_the_moe_preset_is_refused(cli, tmp_path):
-    src = tmp_path / "gpt.safetensors"
-    shutil.copy2(REFERENCE / "gpt-tp2-full.safetensors", src)
-    out = tmp_path / "out"
-    refused(cli("fuse", src, "-r", "megatron-moe-to-mixtral", "--config", CONFIGS / "mixtral" / "config.json", "-o", out),
-            "rule 'router'", "matches nothing", unwritten=[out])
+    refused(cli("fuse", src, "-r", preset, "--config", CONFIGS / config / "config.json", "-o", out),
+            *needles, unwritten=[out])
 
 
 @pytest.mark.parametrize("variant, extra", [
