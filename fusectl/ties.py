@@ -43,6 +43,9 @@ HEAD_TIES: tuple[tuple[str, str], ...] = (
     ("predictions.decoder.bias", "predictions.bias"),
     ("decoder.weight", "model.embeddings.tok_embeddings.weight"),  # ModernBERT
     ("lm_loss.weight", "transformer.word_embedding.weight"),  # XLNet
+    # Megatron-LM's GPTModel read with the config.json of the Hugging Face model it becomes
+    # (megatron-gpt-to-llama): a shared head is not stored, the embedding is
+    ("output_layer.weight", "embedding.word_embeddings.weight"),
 )
 # embeddings that T5- and BART-style models always share, whatever tie_word_embeddings says
 SHARED_EMBEDDING_TIES: tuple[tuple[str, str], ...] = (

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import array_of, load_checkpoint_raw, ok, parse_safetensors, write_safetensors
-from conftest import LLAMA, refuse_case
+from conftest import FIXTURES, LLAMA, refuse_case
 from fusectl.rules.presets import load_rules_arg, preset_names
 
 
@@ -37,7 +38,17 @@ PRESETS = {
                               + ["model.layers.0.mlp.shared_expert_gate.weight"]),
     "llama-rope": ("tiny-rope-meta.safetensors", ["model.layers.0.self_attn.q_proj.weight",
                                                   "model.layers.0.self_attn.k_proj.weight"]),
+    "megatron-gpt-to-llama": ("megatron/reference/gpt-tp2-full.safetensors",
+                              [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkvo"] + ["lm_head.weight"]),
+    "llama-to-megatron-gpt": ("tiny-llama-gqa", ["decoder.layers.0.self_attention.linear_qkv.weight",
+                                                "decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]),
+    "megatron-moe-to-mixtral": ("megatron/reference/moe-tp2-full.safetensors",
+                                [f"model.layers.0.block_sparse_moe.experts.3.w{n}.weight" for n in (1, 2, 3)]
+                                + ["model.layers.0.block_sparse_moe.gate.weight"]),
 }
+# presets whose fixture is a file without a config.json beside it: the config given with --config
+CONFIG_FOR = {"megatron-gpt-to-llama": "megatron/hf-config/llama/config.json",
+              "megatron-moe-to-mixtral": "megatron/hf-config/mixtral/config.json"}
 
 LLAMA_CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}
 
@@ -64,7 +75,7 @@ def test_preset_text_is_valid_rules(cli, name):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_loads_with_fixture_config(name, fixtures_dir):
     fixture = PRESETS[name][0]
-    config_path = fixtures_dir / fixture / "config.json"
+    config_path = fixtures_dir / CONFIG_FOR.get(name, f"{fixture}/config.json")
     config = json.loads(config_path.read_text()) if config_path.exists() else LLAMA_CONFIG
     ruleset = load_rules_arg(name, config)
     assert ruleset.rules
@@ -74,12 +85,14 @@ def test_preset_loads_with_fixture_config(name, fixtures_dir):
 
 def _ckpt_args(name, copy_fixture, tmp_path):
     fixture, _ = PRESETS[name]
-    src = copy_fixture(fixture)
+    src = copy_fixture(fixture, Path(fixture).name)
     args = [src]
     if name == "llama-rope":
         config = tmp_path / "rope-config.json"
         config.write_text(json.dumps(LLAMA_CONFIG))
         args += ["--config", config]
+    elif name in CONFIG_FOR:
+        args += ["--config", FIXTURES / CONFIG_FOR[name]]
     return src, args
 
 
@@ -116,7 +129,7 @@ def test_preset_round_trip_through_inverted_rules(cli, copy_fixture, tmp_path, n
     stripped = write_safetensors(tmp_path / "stripped.safetensors",
                                  {n: array_of(t) for n, t in tensors.items()}, meta)
     extra = args[1:]
-    if name != "llama-rope":
+    if len(args) == 1:  # the config.json beside the fixture, beside the output too
         shutil.copy2(src / "config.json", tmp_path / "config.json")
     back = tmp_path / "back.safetensors"
     ok(cli("unfuse", out, "-r", name, "-o", back, *extra))

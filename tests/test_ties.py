@@ -20,6 +20,7 @@ from conftest import (
     write_rules,
     write_safetensors,
 )
+from fusectl.ties import aliases_from_config
 
 TIED = "tied-embeddings.safetensors"
 
@@ -537,3 +538,16 @@ def test_unfuse_after_untie_of_an_adopted_tie_keeps_both_stored_tensors(cli, tmp
     assert sorted(tensors) == ["a.weight", "b.weight", "c.weight"]
     assert "b.weight" not in meta
     assert tensors == parse_safetensors(src)[0]
+
+
+@pytest.mark.parametrize("config, stored, want", [
+    # Megatron's GPTModel read with the Llama config.json it becomes: a shared head is not stored
+    ({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True},
+     ["embedding.word_embeddings.weight"], {"output_layer.weight": "embedding.word_embeddings.weight"}),
+    ({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False}, ["embedding.word_embeddings.weight"], {}),
+    ({"architectures": ["LlamaForCausalLM"]},
+     ["embedding.word_embeddings.weight", "output_layer.weight"], {}),  # stored: untied, kept apart
+    ({"architectures": ["LlamaModel"], "tie_word_embeddings": True}, ["embedding.word_embeddings.weight"], {}),
+])
+def test_a_config_ties_megatrons_head_only_when_it_is_not_stored(config, stored, want):
+    assert aliases_from_config(config, stored) == want
