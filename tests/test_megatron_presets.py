@@ -259,3 +259,22 @@ def test_transformers_on_the_output_computes_megatrons_logits(cli, tmp_path, var
     assert np.abs(logits - reference["logits_tp1"]).max() <= 1e-5
     if variant.startswith("tied"):
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_rank_files_fused_in_one_step_compute_megatrons_own_logits(cli, tmp_path, variant):
+    """From what megatron-core wrote (every TP/PP/EP rank's ``model_optim_rng.pt``, read by
+    fusectl/io/formats/megatron.py) to a Hugging Face folder in one ``fuse``: transformers'
+    logits against megatron-core's forward at the parallelism it saved (``logits``)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    preset, config = VARIANTS[variant]
+    out = tmp_path / "hf"
+    ok(cli("fuse", FIXTURES / "megatron" / f"{variant}-legacy", "-r", preset,
+           "--config", CONFIGS / config / "config.json", "-o", out))
+    shutil.copy2(CONFIGS / config / "config.json", out / "config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    reference = np.load(REFERENCE / f"{variant}.npz")
+    with torch.no_grad():
+        logits = model(torch.from_numpy(reference["input_ids"])).logits.numpy()
+    assert np.abs(logits - reference["logits"]).max() <= 1e-5
