@@ -69,7 +69,7 @@ from ..optimizer_state import Training
 from ..provenance import METADATA_KEY
 from ..sniff import DEEPSPEED_LATEST
 from ..untrusted import open_input
-from .torch_file import Record, Records, read_torch_tree
+from .torch_file import Record, Records, described, read_torch_tree
 
 # DeepSpeed's classes its checkpoint files hold, read as inert records (never imported): the
 # loss scaler of the optimizer states (its state a dict of numbers), the ZeRO stage (an enum:
@@ -152,7 +152,7 @@ def read_tree(path: str, check_link: Callable[[str], None], *, with_record: bool
     check_link(path)
     tree, record = read_torch_tree(path, records=RECORDS)
     if not isinstance(tree, dict):
-        raise CheckpointError(f"{printable(path)}: holds {_what(tree)}, not the dict DeepSpeed saves; {_HOW}")
+        raise CheckpointError(f"{printable(path)}: holds {described(tree)}, not the dict DeepSpeed saves; {_HOW}")
     return (tree, record) if with_record else tree
 
 
@@ -447,7 +447,7 @@ def stage_of(value: object, path: str) -> int:
     if isinstance(value, Record) and value.name.endswith(".ZeroStageEnum") and len(value.args) == 1:
         value = value.args[0]
     if type(value) is not int or value not in _STAGES:
-        raise CheckpointError(f"{printable(path)}: zero_stage {_what(value)}, not a ZeRO stage 1, 2 or 3 "
+        raise CheckpointError(f"{printable(path)}: zero_stage {described(value)}, not a ZeRO stage 1, 2 or 3 "
                               "(ZeroStageEnum); the file is corrupt or of a DeepSpeed fusectl does not know")
     return value
 
@@ -578,7 +578,7 @@ class _Layout:
                 for name in names:
                     out[name][key] = value
             else:
-                raise CheckpointError(f"{printable(self.ranks[0].path)}: {what} is {_what(value)}, neither a "
+                raise CheckpointError(f"{printable(self.ranks[0].path)}: {what} is {described(value)}, neither a "
                                       "partition of the moments, one number nor a 0-d tensor; fusectl moves "
                                       "elementwise optimizer state (Adam's, SGD's momentum) only")
 
@@ -801,16 +801,5 @@ def _list(value: object, path: str, what: str) -> list:
 
 
 def _corrupt(path: str, what: str, value: object, expected: str) -> CheckpointError:
-    return CheckpointError(f"{printable(path)}: {quote(what)} is {_what(value)}, not {expected}; the file is corrupt "
+    return CheckpointError(f"{printable(path)}: {quote(what)} is {described(value)}, not {expected}; the file is corrupt "
                            "or not DeepSpeed's")
-
-
-def _what(value: object) -> str:
-    if isinstance(value, LazyTensor):
-        return f"a tensor {value.spec}"
-    if isinstance(value, Record):
-        return f"a {value.name}"
-    if type(value) in (int, float, bool) or value is None:
-        return repr(value)
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"

@@ -67,8 +67,7 @@ from ..optimizer_state import Training
 from ..sniff import MEGATRON_LATEST, MEGATRON_RANK_FOLDER
 from ..untrusted import open_input
 from .chunks import assemble
-from .deepspeed_zero import _what  # how a pickled value is named in an error, as for DeepSpeed's files
-from .torch_file import Record, Records, read_torch_tree
+from .torch_file import Record, Records, described, read_torch_tree
 
 # the classes beyond the allow-list a model_optim_rng.pt pickles, read as inert records: the
 # ``args`` Namespace, megatron-core's enums in it, and numpy's RNG state (an ndarray rebuilt by
@@ -267,7 +266,7 @@ def _read(path: str, check_link: Callable[[str], None]) -> dict:
     check_link(path)
     tree, _ = read_torch_tree(path, records=RECORDS)
     if not isinstance(tree, dict):
-        raise CheckpointError(f"{printable(path)}: holds {_what(tree)}, not the dict Megatron-LM saves; {_HOW}")
+        raise CheckpointError(f"{printable(path)}: holds {described(tree)}, not the dict Megatron-LM saves; {_HOW}")
     if "model" not in tree and "model0" in tree:
         raise CheckpointError(f"{printable(path)}: holds model0, model1 … (a virtual pipeline), which fusectl "
                               "does not read yet")
@@ -500,7 +499,7 @@ def _rank_state(tree: dict, path: str, ep: int) -> tuple[dict[str, dict], dict[s
                         "weights fusectl does not map yet")
     if not isinstance(node, dict) or not isinstance(node.get("state"), dict) or \
             not isinstance(node.get("param_groups"), list):
-        raise _Unmapped(f"{printable(path)}: 'optimizer' is {_what(node)}, not an optimizer's state_dict "
+        raise _Unmapped(f"{printable(path)}: 'optimizer' is {described(node)}, not an optimizer's state_dict "
                         "(state, param_groups)")
     model = tree["model"]
     classes = _classes(model, ep)
@@ -522,7 +521,7 @@ def _rank_state(tree: dict, path: str, ep: int) -> tuple[dict[str, dict], dict[s
         for key in keys:
             state = node["state"].get(pid, {})
             if not isinstance(state, dict):
-                raise _Unmapped(f"{printable(path)}: the optimizer state of id {pid} is {_what(state)}")
+                raise _Unmapped(f"{printable(path)}: the optimizer state of id {pid} is {described(state)}")
             for k, v in state.items():
                 if isinstance(v, LazyTensor) and v.spec.shape and v.spec.shape != model[key].spec.shape:
                     raise _Unmapped(f"{printable(path)}: the optimizer's {quote(k)} of id {pid} is {v.spec}, but "
@@ -663,6 +662,6 @@ def _no_check(path: str) -> None:
 
 
 def _corrupt(path: str, what: str, value: object, expected: str) -> CheckpointError:
-    return CheckpointError(f"{printable(path)}: {quote(what)} is {_what(value)}, not {expected}; the file is corrupt "
+    return CheckpointError(f"{printable(path)}: {quote(what)} is {described(value)}, not {expected}; the file is corrupt "
                            "or not Megatron-LM's")
 

@@ -724,6 +724,19 @@ def dtype_global(dtype: DType) -> object:
     return _GLOBALS[f"torch.{name}"]
 
 
+def described(value: object) -> str:
+    """How a value read from a pickle is named in an error: ``a tensor F32[4, 4]``, ``a
+    deepspeed.runtime.zero.config.ZeroStageEnum``, ``3``, ``a dict``."""
+    if isinstance(value, LazyTensor):
+        return f"a tensor {value.spec}"
+    if isinstance(value, Record):
+        return f"a {value.name}"
+    if type(value) in (int, float, bool) or value is None:
+        return repr(value)
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def global_name(value: object) -> str | None:
     """The dotted name of an allowed global the reader gave as a marker (a dtype, a storage
     class), for the writer to pickle it as that global; None for any other value."""
