@@ -1,4 +1,4 @@
-"""Megatron-LM torch_dist checkpoints (``--ckpt-format torch_dist``), read as one checkpoint without torch.
+"""Megatron-LM torch_dist checkpoints (``ckpt_format="torch_dist"``), read as one checkpoint without torch.
 
 megatron-core's ``dist_checkpointing.save`` writes, in the iteration folder
 (``iter_0000010/``, named by the save folder's ``latest_checkpointed_iteration.txt`` as for the
@@ -137,7 +137,7 @@ def _unstacked(dcp: DcpFolder, stacked: list[str], layers: int, common: str, fol
         if ".experts." in fqn:
             raise CheckpointError(f"{dcp.where}: holds {quote(fqn)}, MoE experts stacked over layers and experts, "
                                   "which fusectl does not read from torch_dist yet; save the checkpoint with "
-                                  "--ckpt-format torch (legacy), which fusectl reads")
+                                  "Megatron-LM's legacy format (ckpt_format 'torch'), which fusectl reads")
         tensor = dcp.tensor(fqn).opened
         shape = tensor.spec.shape
         if not shape or shape[0] != layers:
