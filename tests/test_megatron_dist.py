@@ -8,6 +8,7 @@ holds what megatron-core's own ``dist_checkpointing.load`` put into a TP=1 model
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from fusectl.errors import CheckpointError
 from fusectl.io.formats.megatron_dist import read_megatron_dist
 from fusectl.io.formats.safetensors_file import read_safetensors
 from fusectl.io.registry import folder_format
+from fusectl.io.sniff import is_megatron_dist
 
 MEGATRON = FIXTURES / "megatron"
 SAVE = MEGATRON / "gpt-tp2-torch_dist"
@@ -160,3 +162,13 @@ def test_common_pt_without_args_is_refused(spoilt):
 def test_a_missing_rank_file_is_refused_naming_it(spoilt):
     (spoilt.inner / "__1_0.distcp").unlink()
     spoilt.refused("__1_0.distcp", "missing")
+
+
+def test_a_folder_that_cannot_be_listed_is_not_torch_dist(monkeypatch):
+    def unlistable(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "listdir", unlistable)
+    assert not is_megatron_dist(str(SAVE))
+    monkeypatch.undo()
+    assert is_megatron_dist(str(SAVE)) and is_megatron_dist(str(ITER)) and not is_megatron_dist(str(SAVE / "nothing"))
