@@ -62,12 +62,13 @@ def sample(name: str, tmp_path: Path) -> Path:
 
 
 NAMES = [f.name for f in FORMATS if f.folder is None]  # the formats of files (folder formats: test_deepspeed_zero.py, test_deepspeed_universal.py,
-# test_dcp.py, test_dcp_safetensors.py, test_megatron.py)
+# test_dcp.py, test_dcp_safetensors.py, test_megatron.py, test_megatron_dist.py)
 
 
 def test_the_checkpoint_format_names_stay():
     assert NAMES == ["safetensors", "safetensors-sharded", "npz", "pytorch", "pytorch-sharded", "onnx", "mxnet"]
-    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal", "dcp", "dcp-safetensors",
+    assert [f.name for f in FORMATS if f.folder] == ["deepspeed-zero", "deepspeed-universal",
+                                                      "megatron-torch_dist", "dcp", "dcp-safetensors",
                                                       "megatron-legacy"]
     assert [format_named(n).name for n in NAMES] == NAMES
     with pytest.raises(KeyError):

@@ -30,8 +30,8 @@ from ..errors import CheckpointError, OutputError
 from .contents import Contents, Reader
 from .output import FolderWriter, Output, single_file
 from .formats.safetensors_file import INDEX_SUFFIX, SafetensorsWriter, read_safetensors, read_safetensors_index
-from .sniff import (MXNET_SUFFIXES, deepspeed_kind, is_dcp_folder, is_dcp_safetensors_folder, is_megatron_legacy,
-                    is_mxnet, is_pytorch)
+from .sniff import (MXNET_SUFFIXES, deepspeed_kind, is_dcp_folder, is_dcp_safetensors_folder, is_megatron_dist,
+                    is_megatron_legacy, is_mxnet, is_pytorch)
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,9 @@ FORMATS: tuple[Format, ...] = (
            folder=lambda path: deepspeed_kind(path) == "zero"),
     Format("deepspeed-universal", (), _lazy("deepspeed_universal", "read_universal"),
            folder=lambda path: deepspeed_kind(path) == "universal"),
+    # Megatron-LM's torch_dist (a DCP folder with metadata.json and common.pt): before dcp and megatron-legacy,
+    # which its iteration folder and its save folder would also match
+    Format("megatron-torch_dist", (), _lazy("megatron_dist", "read_megatron_dist"), folder=is_megatron_dist),
     # torch.distributed.checkpoint: a folder holding .metadata; one of its .distcp files is refused (name the folder)
     Format("dcp", (".distcp",), _lazy("dcp", "read_dcp"), takes_key=True, folder=is_dcp_folder),
     # torch.distributed.checkpoint saved as sharded safetensors (no index): a folder of shard-R-model-N-of-M files

@@ -68,6 +68,8 @@ DCP_RANK_METADATA = re.compile(r"__([0-9]{1,6})\.metadata")
 DCP_SHARD_FILE = re.compile(r"shard-([0-9]{5,9})-model-([0-9]{5,9})-of-([0-9]{5,9})\.safetensors")
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 MEGATRON_LATEST = "latest_checkpointed_iteration.txt"  # Megatron-LM's save folder names its iteration there
+MEGATRON_ITERATION = re.compile(r"iter_[0-9]{7,}|release")  # a save folder's iteration folders
+MEGATRON_DIST_METADATA, MEGATRON_DIST_COMMON = "metadata.json", "common.pt"  # a torch_dist iteration folder's
 MEGATRON_RANK_FOLDER = re.compile(r"mp_rank_([0-9]{2,6})(?:_([0-9]{3,6}))?(?:_([0-9]{3,6}))?")  # _PPP, _EEE
 UNIVERSAL_FOLDER = "zero"  # ds_to_universal's folder of one folder per parameter
 
@@ -137,6 +139,22 @@ def is_megatron_legacy(path: str) -> bool:
         return False
     return MEGATRON_LATEST in names or any(
         MEGATRON_RANK_FOLDER.fullmatch(n) and os.path.isdir(os.path.join(path, n)) for n in names)
+
+
+def is_megatron_dist(path: str) -> bool:
+    """Whether ``path`` is a Megatron-LM torch_dist checkpoint: an iteration folder holding
+    dist_checkpointing's ``metadata.json`` and its ``common.pt``, or a save folder (holding
+    ``latest_checkpointed_iteration.txt``) whose ``iter_NNNNNNN`` or ``release`` folder does.
+    Only names are looked at (the backend ``metadata.json`` names is checked when read)."""
+    try:
+        names = os.listdir(path) if os.path.isdir(path) else []
+        if MEGATRON_DIST_METADATA in names and MEGATRON_DIST_COMMON in names:
+            return True
+        return MEGATRON_LATEST in names and any(
+            MEGATRON_ITERATION.fullmatch(n) and os.path.lexists(os.path.join(path, n, MEGATRON_DIST_METADATA))
+            for n in names)
+    except OSError:
+        return False
 
 
 def deepspeed_kind(path: str) -> str | None:

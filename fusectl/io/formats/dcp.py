@@ -84,46 +84,11 @@ def read_dcp(path: str, key: str | None = None, check_link: Callable[[str], None
         outside the allow-list, chunks that do not tile their tensor, a missing or truncated
         ``.distcp`` file, an item that is not what the metadata says, contradicting key paths.
     """
-    check = check_link or (lambda p: None)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"{printable(path)}: one file of a torch.distributed.checkpoint folder; name the folder "
-                              f"that holds it and its {DCP_METADATA}")
-    indexes = _indexes(path)
-    for index in indexes:
-        check(index)
-    layout = _Layout.read(indexes)
-    where = layout.where
-    if layout.ranks:
-        written = {int(m.group(1)) for n in _listing(path) if (m := _RANK_FILE.fullmatch(n))}
-        unindexed = sorted(written - layout.ranks)
-        if unindexed:
-            raise CheckpointError(f"{printable(path)}: holds the items of rank {unindexed[0]} "
-                                  f"(__{unindexed[0]}_*.distcp) but not its index __{unindexed[0]}.metadata; copy "
-                                  "the whole folder")
-    check_limit("tensors", len(layout.entries), where)
-    files: dict[str, str] = {}
-
-    def file_of(info: dict) -> str:
-        name = info["relative_path"]
-        if name not in files:
-            full = os.path.join(path, name)
-            check(full)
-            if not os.path.lexists(full):
-                raise CheckpointError(f"{printable(full)}: missing; {where} keeps items there (a rank's file: copy "
-                                      "the whole folder)")
-            files[name] = full
-        return files[name]
-
-    values: dict[str, object] = {}
-    for fqn, entry in layout.entries.items():
-        if entry.name == _META + "BytesStorageMetadata":
-            info = layout.location(fqn, None)
-            values[fqn], _ = read_torch_tree(file_of(info), span=(info["offset"], info["length"]))
-        else:
-            values[fqn] = _tensor(fqn, entry, layout, file_of, where)
-    tree = _unflatten(values, layout.planner, where)
-    record = _record(path, check)
-    ranks = {int(m.group(1)) for n in [*files, *_listing(path)] if (m := _RANK_FILE.fullmatch(n))}
+    folder = DcpFolder(path, check_link)
+    values = {fqn: folder.tensor(fqn) if folder.is_tensor(fqn) else folder.value(fqn) for fqn in folder.entries}
+    where = folder.where
+    tree = _unflatten(values, folder.layout.planner, where)
+    record = _record(path, folder.check)
     model_path, optimizer_path, problem = _model_path(tree, key, where)
     model = _node(tree, model_path)
     tensors = {str(k): v for k, v in model.items() if isinstance(v, LazyTensor)}
@@ -132,12 +97,96 @@ def read_dcp(path: str, key: str | None = None, check_link: Callable[[str], None
     ignored = [str(k) for k, v in model.items() if not isinstance(v, LazyTensor)]
     whole = model_path or ignored or optimizer_path is not None
     training = Training(path, model_path, optimizer_path, lambda: tree, problem) if whole else None
-    read = [*indexes, *(files[n] for n in sorted(files))]
+    read = folder.read_files()
     if record is not None:
         read.append(os.path.join(path, METADATA_FILE))
     record = record or {}
     return Contents(tensors, read, record, record.get(METADATA_KEY), state_dict_key=key_text(model_path) or None,
-                    ignored=ignored, training=training, distributed={"world_size": len(ranks)})
+                    ignored=ignored, training=training, distributed={"world_size": len(folder.ranks())})
+
+
+class DcpFolder:
+    """A DCP folder whose index is read and checked, its items opened only when asked:
+    ``entries`` (flattened key → its TensorStorageMetadata or BytesStorageMetadata record, in
+    the index's order), :meth:`tensor` and :meth:`value` of each, :meth:`read_files` (the files
+    opened so far). A reader of a format built on DCP (Megatron's torch_dist) reads the tensors
+    it needs and never opens a value it does not.
+
+    :param path: the folder (one of its ``.distcp`` files is refused: name the folder).
+    :param check_link: called with each file before it is read (the input's link boundary).
+    :raises CheckpointError: naming the file: a ``.metadata`` that is not DCP's or holds a class
+        outside the allow-list, a rank's items without its index, more entries than the limit.
+    """
+
+    def __init__(self, path: str, check_link: Callable[[str], None] | None = None):
+        self.path, self.check = path, check_link or (lambda p: None)
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{printable(path)}: one file of a torch.distributed.checkpoint folder; name the "
+                                  f"folder that holds it and its {DCP_METADATA}")
+        self.indexes = _indexes(path)
+        for index in self.indexes:
+            self.check(index)
+        self.layout = _Layout.read(self.indexes)
+        self.where = self.layout.where
+        if self.layout.ranks:
+            written = {int(m.group(1)) for n in _listing(path) if (m := _RANK_FILE.fullmatch(n))}
+            unindexed = sorted(written - self.layout.ranks)
+            if unindexed:
+                raise CheckpointError(f"{printable(path)}: holds the items of rank {unindexed[0]} "
+                                      f"(__{unindexed[0]}_*.distcp) but not its index __{unindexed[0]}.metadata; "
+                                      "copy the whole folder")
+        check_limit("tensors", len(self.layout.entries), self.where)
+        self.entries: dict[str, Record] = self.layout.entries
+        self.files: dict[str, str] = {}
+
+    def file_of(self, info: dict) -> str:
+        """The path of the file an item's storage ``info`` names, checked to be there.
+
+        :raises CheckpointError: the file is missing."""
+        name = info["relative_path"]
+        if name not in self.files:
+            full = os.path.join(self.path, name)
+            self.check(full)
+            if not os.path.lexists(full):
+                raise CheckpointError(f"{printable(full)}: missing; {self.where} keeps items there (a rank's file: "
+                                      "copy the whole folder)")
+            self.files[name] = full
+        return self.files[name]
+
+    def is_tensor(self, fqn: str) -> bool:
+        """Whether the entry ``fqn`` is a tensor (else a value: a BytesStorageMetadata item)."""
+        return self.entries[fqn].name != _META + "BytesStorageMetadata"
+
+    def tensor(self, fqn: str) -> LazyTensor:
+        """The tensor ``fqn`` at its global size, its chunks checked to tile it and their files
+        to be there; its items opened and checked when it is first read (``opened``).
+
+        :raises CheckpointError: chunks past the tensor, overlapping or leaving holes, a chunk
+            without a storage entry, a missing file, a dtype fusectl does not read."""
+        return _tensor(fqn, self.entries[fqn], self.layout, self.file_of, self.where)
+
+    def value(self, fqn: str, records: Records | None = None) -> object:
+        """The value ``fqn`` (a ``torch.save`` item), read through the scanned unpickler.
+
+        :param records: classes read as inert records beyond torch_file's allow-list.
+        :raises CheckpointError: the item holds a class outside the allow-list, or is corrupt."""
+        info = self.layout.location(fqn, None)
+        value, _ = read_torch_tree(self.file_of(info), span=(info["offset"], info["length"]), records=records)
+        return value
+
+    def value_file(self, fqn: str) -> str:
+        """The file that holds the value ``fqn``, checked to be there, without reading it.
+
+        :raises CheckpointError: no storage entry names it, or its file is missing."""
+        return self.file_of(self.layout.location(fqn, None))
+
+    def ranks(self) -> set[int]:
+        """The ranks whose ``__R_N.distcp`` files the folder holds or its index names."""
+        return {int(m.group(1)) for n in [*self.files, *_listing(self.path)] if (m := _RANK_FILE.fullmatch(n))}
+
+    def read_files(self) -> list[str]:
+        """The index files, then every item file opened so far, by name."""
+        return [*self.indexes, *(self.files[n] for n in sorted(self.files))]
 
 
 class _Layout:

@@ -1,0 +1,168 @@
+"""Megatron-LM torch_dist checkpoints (``ckpt_format="torch_dist"``), read as one checkpoint without torch.
+
+megatron-core's ``dist_checkpointing.save`` writes, in the iteration folder
+(``iter_0000010/``, named by the save folder's ``latest_checkpointed_iteration.txt`` as for the
+legacy format, :mod:`.megatron`):
+
+- ``metadata.json``: ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+  "common_backend": "torch", ...}`` — the backend that wrote the tensors;
+- ``common.pt``: a ``torch.save`` of everything not sharded: ``args`` (an
+  ``argparse.Namespace``: the TP, PP and EP sizes, ``num_layers`` …), ``iteration`` …;
+- a torch.distributed.checkpoint folder (``.metadata``, ``__R_I.distcp``: :mod:`.dcp`) whose
+  tensors are global: ``embedding.word_embeddings.weight``, ``output_layer.weight``,
+  ``decoder.final_layernorm.weight`` as they are, and every layer's tensors stacked into one
+  per name with a leading ``[num_layers]`` axis (``decoder.layers.self_attention.linear_qkv.weight``
+  [2, 32, 16]); ``linear_fc1`` stored TP-invariant as ``[gate_all; up_all]`` (the TP=1 layout
+  already); the two norms under Transformer Engine's names even from the local spec
+  (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``);
+  byte items (DCP values): each linear's ``_extra_state/shard_L_N`` per layer and the RNG state
+  ``rng_state/shard_P.T_PP.TP`` per rank (numpy's MT19937 state among them).
+
+:func:`read_megatron_dist` gives megatron-core's TP=1 model, the names and tensors
+``dist_checkpointing.load`` into a TP=1 GPTModel of the local spec gives (bitwise): each stacked
+tensor unstacked into ``decoder.layers.L.…`` — a layer of a row-major stacked tensor is a
+contiguous byte range of each chunk that holds it, so a layer is file ranges (or blocks of
+them where the ranks cut it along another axis), never the stacked tensor read whole —, the
+Transformer Engine norm names given the local spec's (``input_layernorm``,
+``pre_mlp_layernorm``), in megatron-core's module order (each layer's tensors in the index's
+order, the layers where the first stacked tensor stands). Every other tensor keeps its name.
+The byte items are not model tensors: they are listed in ``ignored`` and never opened (their
+storage and file are checked to be there) — so the RNG state's numpy arrays are never
+unpickled, and no allow-list grows for them.
+
+``common.pt`` is read through ``torch_file``'s scanned, allow-listed unpickler with the legacy
+reader's Megatron records (the ``args`` Namespace, megatron-core's enums): nothing is imported or
+run. Checked before anything is written, each a CheckpointError naming the file: a
+``metadata.json`` naming another backend (``zarr``) or none, a missing ``common.pt`` or one
+without Megatron's ``args``, a stacked tensor whose first dimension is not ``args.num_layers``,
+MoE experts (stacked over layers and experts), which fusectl does not unstack yet; and
+everything :class:`~.dcp.DcpFolder` checks of the DCP part.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+from ...errors import CheckpointError, printable, quote
+from ...tensors import LazyTensor, RangesTensor, TensorSpec
+from ..contents import Contents
+from ..sniff import MEGATRON_DIST_COMMON as COMMON, MEGATRON_DIST_METADATA as METADATA_JSON
+from ..untrusted import read_json_file
+from .chunks import Blocks, assemble
+from .dcp import DcpFolder
+from .megatron import RECORDS, Parallelism, _rows, iteration_folder
+from .torch_file import read_torch_tree
+
+BACKEND = "torch_dist"
+_STACKED = re.compile(r"decoder\.layers\.([^0-9].*)")  # a stacked tensor: no layer number after the prefix
+# Transformer Engine's names of the fused norms → the local spec's (megatron-core's TP=1 model)
+_TE_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_HOW = "give the folder Megatron-LM's dist_checkpointing.save wrote (or its iter_NNNNNNN folder) as it left it"
+
+
+def read_megatron_dist(path: str, key: str | None = None,
+                       check_link: Callable[[str], None] | None = None) -> Contents:
+    """The :class:`~fusectl.io.contents.Contents` of a Megatron-LM torch_dist checkpoint: its
+    save folder (``latest_checkpointed_iteration.txt`` names the iteration) or an iteration folder.
+
+    :param path: the folder.
+    :param key: unused (the registry row takes no key).
+    :param check_link: called with each file before it is read (the input's link boundary).
+    :returns: megatron-core's TP=1 model (module docstring) as ``tensors`` in its module order,
+        the byte items in ``ignored``, ``distributed`` tp, pp, ep, num_layers, iteration (from
+        ``common.pt``'s args) and world_size (the ranks whose files the folder holds).
+    :raises CheckpointError: naming the file and what is wrong with it (module docstring).
+
+    >>> read_megatron_dist("fixtures/megatron/gpt-tp2-torch_dist").distributed["num_layers"]  # doctest: +SKIP
+    2
+    """
+    check = check_link or _no_check
+    folder, latest = iteration_folder(path, check)
+    meta = os.path.join(folder, METADATA_JSON)
+    _check_backend(meta, check)
+    common_path = os.path.join(folder, COMMON)
+    check(common_path)
+    if not os.path.lexists(common_path):
+        raise CheckpointError(f"{printable(common_path)}: missing; a torch_dist checkpoint keeps Megatron's args "
+                              f"there; {_HOW}")
+    common, _ = read_torch_tree(common_path, records=RECORDS)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{printable(common_path)}: holds no dict, not the common state Megatron-LM saves; {_HOW}")
+    par = Parallelism.of(common, common_path)
+    dcp = DcpFolder(folder, check)
+    stacked = [fqn for fqn in dcp.entries if dcp.is_tensor(fqn) and _STACKED.fullmatch(fqn)]
+    tensors: dict[str, LazyTensor] = {}
+    ignored: list[str] = []
+    for fqn in dcp.entries:
+        if not dcp.is_tensor(fqn):
+            dcp.value_file(fqn)  # listed, never opened
+            ignored.append(fqn)
+        elif fqn not in stacked:
+            tensors[fqn] = dcp.tensor(fqn).opened
+        elif fqn == stacked[0]:
+            tensors.update(_unstacked(dcp, stacked, par.num_layers, common_path, folder))
+    iteration = common.get("iteration")
+    distributed = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "num_layers": par.num_layers,
+                   "iteration": iteration if type(iteration) is int else None, "world_size": len(dcp.ranks())}
+    read = [*([latest] if latest else []), meta, common_path, *dcp.read_files()]
+    return Contents(tensors, read, ignored=ignored, distributed=distributed)
+
+
+def _check_backend(meta: str, check: Callable[[str], None]) -> None:
+    """Refuse a ``metadata.json`` that does not say torch_dist wrote the tensors."""
+    check(meta)
+    if not os.path.lexists(meta):
+        raise CheckpointError(f"{printable(meta)}: missing; dist_checkpointing.save writes it beside the tensors; "
+                              f"{_HOW}")
+    raw = read_json_file(meta, "dist_checkpointing's metadata")
+    backend = raw.get("sharded_backend") if type(raw) is dict else None
+    if backend != BACKEND:
+        shown = quote(backend) if type(backend) is str else "no backend"
+        raise CheckpointError(f"{printable(meta)}: names {shown} as sharded_backend; fusectl reads Megatron's "
+                              f"{BACKEND!r} checkpoints only — convert it with Megatron's dist_checkpointing to "
+                              f"{BACKEND!r} first")
+
+
+def _unstacked(dcp: DcpFolder, stacked: list[str], layers: int, common: str, folder: str) -> dict[str, LazyTensor]:
+    """Every layer's tensors, layer by layer, each layer's in the index's order."""
+    whole = {}
+    for fqn in stacked:
+        if ".experts." in fqn:
+            raise CheckpointError(f"{dcp.where}: holds {quote(fqn)}, MoE experts stacked over layers and experts, "
+                                  "which fusectl does not read from torch_dist yet; save the checkpoint with "
+                                  "Megatron-LM's legacy format (ckpt_format 'torch'), which fusectl reads")
+        tensor = dcp.tensor(fqn).opened
+        shape = tensor.spec.shape
+        if not shape or shape[0] != layers:
+            raise CheckpointError(f"{dcp.where}: the stacked tensor {quote(fqn)} is {tensor.spec}, its first dimension "
+                                  f"not the {layers} layers {printable(common)}'s args.num_layers says; the files "
+                                  "are of two saves")
+        whole[fqn] = tensor
+    out = {}
+    for layer in range(layers):
+        for fqn, tensor in whole.items():
+            rest = _STACKED.fullmatch(fqn).group(1)
+            out[f"decoder.layers.{layer}.{_TE_NORMS.get(rest, rest)}"] = _slab(tensor, layer, folder)
+    return out
+
+
+def _slab(tensor: LazyTensor, index: int, folder: str) -> LazyTensor:
+    """``tensor[index]`` (along the first axis), streamed: the file ranges of that slice, or
+    the blocks that hold it, each cut to it."""
+    spec = TensorSpec(tensor.spec.dtype, tensor.spec.shape[1:])
+    if isinstance(tensor, Blocks):
+        pieces = [(offsets[1:], _slab(item, index - offsets[0], folder)) for offsets, item in tensor.pieces
+                  if offsets[0] <= index < offsets[0] + item.spec.shape[0]]
+        return assemble(spec, pieces)
+    return RangesTensor(spec, _rows(folder, tensor, index, 1).ranges)
+
+
+def _no_check(path: str) -> None:
+    return None
