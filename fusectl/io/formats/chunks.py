@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import CheckpointError, quote
-from ...tensors import LazyTensor, RangesTensor, TensorSpec
+from ...tensors import ByteRange, LazyTensor, RangesTensor, TensorSpec
 
 Piece = tuple[tuple[int, ...], LazyTensor]  # a block: its offsets in the whole and its data
 
@@ -82,3 +82,25 @@ class Blocks(LazyTensor):
         for offsets, item in self.pieces:
             out[tuple(slice(o, o + s) for o, s in zip(offsets, item.spec.shape))] = item.read()
         return out
+
+
+def rows(tensor: LazyTensor, start: int, count: int, where: str, how: str) -> RangesTensor:
+    """Rows ``start`` … ``start + count`` of ``tensor`` as file ranges (a layer of a stacked
+    tensor, a rank's half of a SwiGLU weight).
+
+    :param where: the file, first in the error; :param how: what the error says to do.
+    :raises CheckpointError: a tensor not stored as plain little-endian bytes (strided or
+        big-endian), which has no rows as file ranges.
+    """
+    ranges = tensor.byte_ranges()
+    if ranges is None:
+        raise CheckpointError(f"{where}: a {tensor.spec} tensor is not stored as plain little-endian bytes (it is "
+                              f"strided or big-endian); {how}")
+    row = tensor.spec.nbytes // tensor.spec.shape[0]
+    lo, hi, at, out = start * row, (start + count) * row, 0, []
+    for r in ranges:
+        a, b = max(lo, at), min(hi, at + r.length)
+        if a < b:
+            out.append(ByteRange(r.path, r.offset + a - at, b - a))
+        at += r.length
+    return RangesTensor(TensorSpec(tensor.spec.dtype, (count, *tensor.spec.shape[1:])), tuple(out))

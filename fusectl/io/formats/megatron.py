@@ -61,12 +61,12 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from ...errors import CheckpointError, printable, quote
-from ...tensors import ByteRange, LazyTensor, RangesTensor, TensorSpec
+from ...tensors import LazyTensor, TensorSpec
 from ..contents import Contents
 from ..optimizer_state import Training
 from ..sniff import MEGATRON_LATEST, MEGATRON_RANK_FOLDER
 from ..untrusted import open_input
-from .chunks import assemble
+from .chunks import assemble, rows
 from .torch_file import Record, Records, described, read_torch_tree
 
 # the classes beyond the allow-list a model_optim_rng.pt pickles, read as inert records: the
@@ -89,6 +89,7 @@ _COMPARED_BYTES = 1 << 20  # copies up to this size are compared bitwise, larger
 _LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _EXPERT = re.compile(r"(.*\.experts\.local_experts\.)([0-9]+)(\..*)")
 _GROUPED_EXPERT = re.compile(r".*\.experts\.linear_fc[12]\.(weight|bias)[0-9]+")
+_NEVER = "Megatron-LM never writes one; the file is corrupt"
 _HOW = "give the folder Megatron-LM's save_checkpoint wrote (or its iter_NNNNNNN folder) as it left it"
 
 # how megatron-core's layers hold a tensor at TP > 1, by the end of its name
@@ -428,26 +429,9 @@ def join(kind: str, name: str, parts: Sequence[tuple[str, LazyTensor]]) -> LazyT
                               "[gate; up], an even number")
     half = shape[0] // 2
     rest = (0,) * (len(shape) - 1)
-    pieces = [((r * half, *rest), _rows(path, t, 0, half)) for r, (path, t) in enumerate(parts)]
-    pieces += [((tp * half + r * half, *rest), _rows(path, t, half, half)) for r, (path, t) in enumerate(parts)]
+    pieces = [((r * half, *rest), rows(t, 0, half, printable(path), _NEVER)) for r, (path, t) in enumerate(parts)]
+    pieces += [((tp * half + r * half, *rest), rows(t, half, half, printable(path), _NEVER)) for r, (path, t) in enumerate(parts)]
     return assemble(spec, pieces)
-
-
-def _rows(path: str, tensor: LazyTensor, start: int, count: int) -> RangesTensor:
-    """Rows ``start`` … ``start + count`` of a tensor stored as plain bytes, as file ranges."""
-    ranges = tensor.byte_ranges()
-    if ranges is None:
-        raise CheckpointError(f"{printable(path)}: a {tensor.spec} tensor is not stored as plain little-endian "
-                              "bytes (it is strided or big-endian), which Megatron-LM never writes; the file is "
-                              "corrupt")
-    row = tensor.spec.nbytes // tensor.spec.shape[0]
-    lo, hi, at, out = start * row, (start + count) * row, 0, []
-    for r in ranges:
-        a, b = max(lo, at), min(hi, at + r.length)
-        if a < b:
-            out.append(ByteRange(r.path, r.offset + a - at, b - a))
-        at += r.length
-    return RangesTensor(TensorSpec(tensor.spec.dtype, (count, *tensor.spec.shape[1:])), tuple(out))
 
 
 def _check_copies(name: str, copies: Sequence[tuple[str, str, LazyTensor]]) -> None:

@@ -50,9 +50,9 @@ from ...tensors import LazyTensor, RangesTensor, TensorSpec
 from ..contents import Contents
 from ..sniff import MEGATRON_DIST_COMMON as COMMON, MEGATRON_DIST_METADATA as METADATA_JSON
 from ..untrusted import read_json_file
-from .chunks import Blocks, assemble
+from .chunks import Blocks, assemble, rows
 from .dcp import DcpFolder
-from .megatron import RECORDS, Parallelism, _rows, iteration_folder
+from .megatron import RECORDS, Parallelism, iteration_folder
 from .torch_file import read_torch_tree
 
 BACKEND = "torch_dist"
@@ -161,7 +161,8 @@ def _slab(tensor: LazyTensor, index: int, folder: str) -> LazyTensor:
         pieces = [(offsets[1:], _slab(item, index - offsets[0], folder)) for offsets, item in tensor.pieces
                   if offsets[0] <= index < offsets[0] + item.spec.shape[0]]
         return assemble(spec, pieces)
-    return RangesTensor(spec, _rows(folder, tensor, index, 1).ranges)
+    never = "torch.distributed.checkpoint never writes one; the file is corrupt"
+    return RangesTensor(spec, rows(tensor, index, 1, printable(folder), never).ranges)
 
 
 def _no_check(path: str) -> None:
