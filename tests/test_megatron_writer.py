@@ -249,3 +249,74 @@ def test_write_megatron_refuses_before_writing(tmp_path):
     with pytest.raises(PlanError, match="positive integer"):
         write_megatron(str(tmp_path / "x"), model, tp=0, pp=1, config=json.loads(CONFIG.read_text()), tied=False)
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------- megatron-core itself
+
+MEGATRON_CORE_VARIANTS = {"gpt-tp2": "llama", "gpt-tp2-pp2": "llama", "tied-tp2": "tied"}
+
+
+def load_and_forward(rank: int, world: int, name: str, folder: str, port: int) -> None:
+    """One rank: megatron-core's GPTModel at the variant's parallelism, ``load_state_dict(strict=True)``
+    of the rank file fusectl wrote (read by ``torch.load(weights_only=True)``), its logits saved."""
+    import argparse
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(FIXTURES))
+    import generate_megatron as g
+    from megatron.core import parallel_state
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    g.patch_for_cpu()
+    spec = g.VARIANTS[name]
+    parallel_state.initialize_model_parallel(spec["tp"], spec["pp"])
+    model = g.build_model(spec, spec["tp"], spec["pp"], 1)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    rank_name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if spec["pp"] > 1 else "")
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    state = torch.load(os.path.join(folder, "release", rank_name, "model_optim_rng.pt"), weights_only=True)
+    model.load_state_dict(state["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        logits, _ = g.pipeline_forward(model, g.reference_ids(), grad=False)
+    if logits is not None and tp_rank == 0:
+        np.save(os.path.join(folder, "logits.npy"), logits.numpy())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", sorted(MEGATRON_CORE_VARIANTS))
+def test_megatron_core_loads_the_written_ranks_and_computes_its_own_logits(cli, tmp_path, variant):
+    """megatron's full parameters written at the variant's TP × PP with fusectl: megatron-core loads
+    every rank strictly and its forward gives the logits it computed before saving (within 1e-5)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    import subprocess
+    import sys
+
+    spec = {"gpt-tp2": (2, 1), "gpt-tp2-pp2": (2, 2), "tied-tp2": (2, 1)}[variant]
+    out = tmp_path / "out"
+    config = MEGATRON / "hf-config" / MEGATRON_CORE_VARIANTS[variant] / "config.json"
+    ok(cli("convert", MEGATRON / "reference" / f"{variant}-full.safetensors", "--config", config, "--to", "megatron",
+           "--tp", str(spec[0]), "--pp", str(spec[1]), "-o", out))
+    run = subprocess.run([sys.executable, __file__, variant, str(out), str(spec[0] * spec[1])],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logits = np.load(out / "logits.npy")
+    reference = np.load(MEGATRON / "reference" / f"{variant}.npz")["logits"]
+    assert logits.shape == reference.shape
+    assert np.abs(logits - reference).max() <= 1e-5
+
+
+if __name__ == "__main__":  # the ranks of the test above, spawned by torch.multiprocessing
+    import sys
+
+    import torch.multiprocessing as mp
+
+    port = 29600 + os.getpid() % 1000
+    mp.spawn(load_and_forward, args=(int(sys.argv[3]), sys.argv[1], sys.argv[2], port), nprocs=int(sys.argv[3]))
