@@ -252,14 +252,16 @@ def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, paralle
     from .io.formats.megatron_writer import write_megatron
     tp, pp = (value if value is not None else 1 for value in parallel)
     head, embedding = "output_layer.weight", "embedding.word_embeddings.weight"
-    tied = head not in table or (embedding in table and table[head] is table[embedding])
-    tensors = {n: table[n] for n in table.entries if not (tied and n == head)}
     config = checkpoint.config
     iteration = None
     if checkpoint.format == "megatron-legacy":
         from .io.formats.megatron import saved_args
         config = config if config is not None else saved_args(str(checkpoint.path))
-        iteration = (checkpoint.distributed or {}).get("iteration")
+        iteration = (checkpoint.distributed or {}).get("iteration") or None  # 0: a release, never loaded as 0
+    # a tied save at PP > 1 stores the head's copy on the last stage: its args say it is tied
+    tied = head not in table or (embedding in table and table[head] is table[embedding]) or \
+        (config or {}).get("untie_embeddings_and_output_weights") is False
+    tensors = {n: table[n] for n in table.entries if not (tied and n == head)}
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
         _, written, copied = write_megatron(temp, tensors, tp=tp, pp=pp, config=config, tied=tied,
                                             iteration=iteration, where=printable(str(checkpoint.path)))

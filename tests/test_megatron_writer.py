@@ -114,13 +114,17 @@ def test_hugging_face_llama_to_megatron_in_one_fuse(cli, tmp_path):
     result = ok(cli("fuse", hf, "-r", "llama-to-megatron-gpt", "--to", "megatron", "--tp", "2", "-o", out, "--json"))
     report = json.loads(result.stdout)
     assert report["tensors"] == 15 and report["optimizer"] is None and report["steps"] > 0
-    mine = rank_files(out)
-    theirs = rank_files(MEGATRON / "gpt-tp2-legacy")
-    for rank, tree in theirs.items():
-        assert list(mine[rank]["model"]) == list(tree["model"])
-        for name, value in tree["model"].items():
-            if value is not None:
-                assert mine[rank]["model"][name].read().tobytes() == value.read().tobytes(), (rank, name)
+    assert_same_ranks(out, MEGATRON / "gpt-tp2-legacy")
+
+
+def test_unfuse_of_a_llama_fusectl_made_writes_megatron_ranks(cli, tmp_path):
+    """A Llama fused from megatron's parameters, unfused from its provenance straight to TP=2 rank
+    files: megatron's own, bitwise."""
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    ok(cli("fuse", MEGATRON / "reference" / "gpt-tp2-full.safetensors", "-r", "megatron-gpt-to-llama", "--config",
+           CONFIG, "-o", hf))
+    ok(cli("unfuse", hf, "--config", CONFIG, "--to", "megatron", "--tp", "2", "-o", out))
+    assert_same_ranks(out, MEGATRON / "gpt-tp2-legacy")
 
 
 def test_tied_head_is_stored_on_the_last_stage_only_at_pp_above_one(cli, tmp_path):
@@ -135,6 +139,18 @@ def test_tied_head_is_stored_on_the_last_stage_only_at_pp_above_one(cli, tmp_pat
     back = read_megatron(str(out))  # megatron's own reading of a tied save at PP=2 keeps both
     assert back.tensors["output_layer.weight"].read().tobytes() == \
         back.tensors["embedding.word_embeddings.weight"].read().tobytes()
+    again = tmp_path / "again"  # its args say tied: back at PP=1 the head is not stored
+    ok(cli("convert", out, "--to", "megatron", "--tp", "2", "-o", again))
+    assert_same_ranks(again, MEGATRON / "tied-tp2-legacy")
+
+
+def test_a_release_save_is_rewritten_as_a_release(cli, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    ok(cli("convert", MEGATRON / "reference" / "gpt-tp2-full.safetensors", "--config", CONFIG, "--to", "megatron",
+           "-o", first))
+    ok(cli("convert", first, "--to", "megatron", "--tp", "2", "-o", second))
+    assert (second / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert rank_files(second)["mp_rank_00"]["iteration"] == 0
 
 
 # ------------------------------------------------------------------------------- refusals
@@ -250,6 +266,29 @@ def test_write_megatron_refuses_before_writing(tmp_path):
         write_megatron(str(tmp_path / "x"), model, tp=0, pp=1, config=json.loads(CONFIG.read_text()), tied=False)
     assert not (tmp_path / "x").exists()
 
+
+
+def test_pieces_of_stored_rows_read_from_their_file_ranges():
+    model = read_megatron(str(MEGATRON / "gpt-tp2-legacy")).tensors
+    qkv = model["decoder.layers.0.self_attention.linear_qkv.weight"]
+    part = piece("column", qkv, 1, 2)
+    assert part.byte_ranges() is not None
+    assert np.array_equal(part.read(), qkv.read()[16:])
+
+
+def test_a_model_missing_a_layer_tensor_is_refused_naming_it():
+    model = dict(read_megatron(str(MEGATRON / "gpt-tp2-legacy")).tensors)
+    del model["decoder.layers.0.mlp.linear_fc2.weight"]
+    with pytest.raises(PlanError, match="linear_fc2.weight"):
+        sizes_of(model, json.loads(CONFIG.read_text()), False, "m")
+
+
+def test_saved_args_of_a_folder_without_ranks_is_refused(tmp_path):
+    from fusectl.errors import CheckpointError
+    from fusectl.io.formats.megatron import saved_args
+    assert saved_args(str(MEGATRON / "gpt-tp2-legacy"))["num_query_groups"] == 2
+    with pytest.raises(CheckpointError, match="mp_rank"):
+        saved_args(str(tmp_path))
 
 # ------------------------------------------------------------------------------- megatron-core itself
 
