@@ -127,6 +127,15 @@ def test_unfuse_of_a_llama_fusectl_made_writes_megatron_ranks(cli, tmp_path):
     assert_same_ranks(out, MEGATRON / "gpt-tp2-legacy")
 
 
+
+def test_torch_dist_save_to_legacy_ranks_equals_megatrons_legacy_save(cli, tmp_path):
+    """The same trained model saved as torch_dist, written as legacy TP=2 ranks: megatron's own
+    legacy files of it, bitwise (the head counts from --config: torch_dist's args are not read here)."""
+    out = tmp_path / "out"
+    ok(cli("convert", MEGATRON / "gpt-tp2-torch_dist", "--config", CONFIG, "--to", "megatron", "--tp", "2",
+           "-o", out))
+    assert_same_ranks(out, MEGATRON / "gpt-tp2-legacy")
+
 def test_tied_head_is_stored_on_the_last_stage_only_at_pp_above_one(cli, tmp_path):
     out = tmp_path / "out"
     ok(cli("convert", MEGATRON / "tied-tp2-legacy", "--to", "megatron", "--tp", "2", "--pp", "2", "--drop-optimizer",
