@@ -220,16 +220,69 @@ def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
                         f"{option_name('drop_optimizer')} has nothing to drop; leave it out")
 
 
+def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, int | None],
+                    drop_optimizer: bool, max_shard_size: int | None) -> None:
+    """``tp``/``pp`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of the
+    model alone: PlanError for a file output, an optimizer not dropped on purpose, a shard size."""
+    given = [name for name, value in zip(("tp", "pp"), parallel) if value is not None]
+    if to != "megatron":
+        if given:
+            raise PlanError(f"{option_name(given[0])} sets the parallelism of a Megatron-LM checkpoint written with "
+                            f"{option_name('to')} megatron; add that, or leave {option_name(given[0])} out")
+        return
+    flag = f"{option_name('to')} megatron"
+    if output_kind(os.fspath(out)) != "folder":
+        raise PlanError(f"{os.fspath(out)}: {flag} writes a folder; give {option_name('out')} a folder (a path "
+                        "without a file suffix)")
+    if _has_optimizer(checkpoint) and not drop_optimizer:
+        raise PlanError(f"{printable(str(checkpoint.path))} holds optimizer state, which {flag} does not write "
+                        f"(it writes the model's rank files only); pass {option('drop_optimizer')} to write the "
+                        "model without it")
+    if max_shard_size is not None:
+        raise PlanError(f"{flag} writes one file per rank; {option_name('max_shard_size')} does not apply, leave it "
+                        "out")
+
+
+def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, int | None],
+                    force: bool, on_note: Callable[[str], None] | None, steps: int) -> FuseReport:
+    """Write ``table`` (megatron-core's TP=1 names) as a Megatron-LM legacy save folder ``out`` at
+    ``parallel`` (tp, pp; 1 where not given): ``io.formats.megatron_writer``. The head counts
+    come from the checkpoint's config, else (a Megatron input) its own ``args``."""
+    from .io.atomic import atomic_output
+    from .io.formats.megatron_writer import write_megatron
+    tp, pp = (value if value is not None else 1 for value in parallel)
+    head, embedding = "output_layer.weight", "embedding.word_embeddings.weight"
+    config = checkpoint.config
+    iteration = None
+    if checkpoint.format == "megatron-legacy":
+        from .io.formats.megatron import saved_args
+        config = config if config is not None else saved_args(str(checkpoint.path))
+        iteration = (checkpoint.distributed or {}).get("iteration") or None  # 0: a release, never loaded as 0
+    # a tied save at PP > 1 stores the head's copy on the last stage: its args say it is tied
+    tied = head not in table or (embedding in table and table[head] is table[embedding]) or \
+        (config or {}).get("untie_embeddings_and_output_weights") is False
+    tensors = {n: table[n] for n in table.entries if not (tied and n == head)}
+    with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
+        _, written, copied = write_megatron(temp, tensors, tp=tp, pp=pp, config=config, tied=tied,
+                                            iteration=iteration, where=printable(str(checkpoint.path)))
+    unique = sum(t.spec.nbytes for t in {id(t): t for t in tensors.values()}.values())
+    fate = None
+    if _has_optimizer(checkpoint):
+        fate = {"where": checkpoint.training.optimizer_key, "state": "dropped", "untied": [],
+                "trajectory_changes": False}
+    return FuseReport(os.fspath(out), len(tensors), unique, written, copied, steps, model_ties(table), optimizer=fate)
+
+
 def _whole(checkpoint: Checkpoint, out, to: str | None, drop_optimizer: bool, max_shard_size: int | None) -> bool:
     """Whether ``out`` is ``checkpoint``'s training state written whole, optimizer included
     (``training_output.writes_training``, or ``to``: a folder of that format). PlanError for a
     ``to`` that cannot be: an unknown format, an output that is not a folder, a checkpoint
     without an optimizer (or a Trainer folder), with ``drop_optimizer`` or ``max_shard_size``."""
-    if to is None:
-        return writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
+    if to is None or to == "megatron":  # the model alone (_check_megatron)
+        return to is None and writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
     flag = f"{option_name('to')} {to}"
     if to not in TARGETS:
-        raise PlanError(f"{option_name('to')} {quote(to)}: fusectl writes {' or '.join(TARGETS)}")
+        raise PlanError(f"{option_name('to')} {quote(to)}: fusectl writes {' or '.join([*TARGETS, 'megatron'])}")
     if output_kind(os.fspath(out)) != "folder":
         raise PlanError(f"{os.fspath(out)}: {flag} writes a folder; give {option_name('out')} a folder (a path "
                         "without a file suffix)")
@@ -493,7 +546,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          progress: bool | None = False, on_note: Callable[[str], None] | None = None,
          param_order: str | None = None, param_order_out: str | None = None,
          param_order_from_model: bool = False, drop_optimizer: bool = False,
-         untie_training: bool = False, to: str | None = None) -> FuseReport:
+         untie_training: bool = False, to: str | None = None, tp: int | None = None,
+         pp: int | None = None) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -540,7 +594,13 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     :param to: ``"dcp"`` or ``"ds-universal"``: write the training checkpoint whole (as a
         ``.pt`` output is written) as a folder ``out`` of that format: a torch.distributed.checkpoint
         folder that ``dcp.load`` reads on any number of ranks, or a DeepSpeed universal
-        checkpoint (PlanError for an input without an optimizer, or an output that is not a folder).
+        checkpoint (PlanError for an input without an optimizer, or an output that is not a folder);
+        or ``"megatron"``: the model (megatron-core's TP=1 names, as ``llama-to-megatron-gpt``
+        makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp``
+        (``io.formats.megatron_writer``), no optimizer state (PlanError for an input with one,
+        unless ``drop_optimizer``), no provenance.
+    :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
+    :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
         optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out``
@@ -556,6 +616,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
+    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
@@ -568,6 +629,9 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
+    if to == "megatron":
+        return _timed(_write_megatron(checkpoint, result, out, (tp, pp), force, on_note,
+                                      len((history + planned.plan).steps)), started)
     twins = _moved_twins(checkpoint, planned.start, planned.plan, out, to)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
@@ -597,7 +661,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            untie: bool = False, write_ties_once: bool = False, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
-           untie_training: bool = False, param_order: str | None = None, to: str | None = None) -> FuseReport:
+           untie_training: bool = False, param_order: str | None = None, to: str | None = None,
+           tp: int | None = None, pp: int | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
@@ -632,7 +697,10 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         model's ``named_parameters()``), for a file without fusectl's record whose shapes do not
         prove it.
     :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
-        (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``).
+        (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``); ``"megatron"``: the
+        model as a Megatron-LM legacy save.
+    :param tp: as :func:`fuse`'s.
+    :param pp: as :func:`fuse`'s.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
         tensors; OutputError as :func:`fuse`.
@@ -649,6 +717,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
+    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     untie = untie or untie_training
     copied = False
@@ -693,6 +762,9 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         twins = _moved_twins(checkpoint, start, inverse, out, to)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
+    if to == "megatron":
+        return _timed(_write_megatron(checkpoint, table, out, (tp, pp), force, on_note, len((history + new).steps)),
+                      started)
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
                          moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied,
@@ -714,7 +786,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
             write_ties_once: bool = False, config: str | None = None, follow_symlinks: bool = False,
             key: str | None = None, progress: bool | None = False,
             on_note: Callable[[str], None] | None = None, param_order: str | None = None,
-            drop_optimizer: bool = False, to: str | None = None) -> FuseReport:
+            drop_optimizer: bool = False, to: str | None = None, tp: int | None = None,
+            pp: int | None = None) -> FuseReport:
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
@@ -740,7 +813,10 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
         prove it (only read where the mapping is needed: never for the state written as read).
     :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
     :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
-        (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``), its optimizer as read.
+        (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``), its optimizer as read;
+        or ``"megatron"``: the model as a Megatron-LM legacy save at ``tp`` × ``pp``.
+    :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
+    :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
     :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
         no ``key``); OutputError as :func:`fuse`.
@@ -756,6 +832,11 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
+    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
+    if to == "megatron":
+        history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
+        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp), force, on_note,
+                                      len(history.steps)), started)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size) and \
         not isinstance(checkpoint.training, TrainerOptimizer)

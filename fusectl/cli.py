@@ -251,10 +251,15 @@ drop_option = click.option(
     help="Write a training checkpoint without its optimizer state, on purpose (a .pt output: the training "
          "dict without it, other entries kept); folds and rules the optimizer cannot follow then apply.")
 to_option = click.option(
-    "--to", "to", type=click.Choice(["dcp", "ds-universal"]), default=None,
+    "--to", "to", type=click.Choice(["dcp", "ds-universal", "megatron"]), default=None,
     help="Write a training checkpoint (model and optimizer) to the -o folder as a torch.distributed.checkpoint "
          "folder (dcp: dcp.load reads it on any number of ranks) or a DeepSpeed universal checkpoint "
-         "(ds-universal: DeepSpeed resumes from it on any world size).")
+         "(ds-universal: DeepSpeed resumes from it on any world size); or write the model (megatron-core's "
+         "names) as a Megatron-LM legacy save at --tp x --pp (megatron; no optimizer state).")
+tp_option = click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
+                         help="With --to megatron: the tensor-parallel size (default 1).")
+pp_option = click.option("--pp", "pp", type=click.IntRange(min=1), default=None, metavar="M",
+                         help="With --to megatron: the pipeline-parallel size (default 1).")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
 order_option = click.option(
@@ -383,8 +388,10 @@ def with_output_options(fn):
 @untie_training_option
 @drop_option
 @to_option
+@tp_option
+@pp_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to):
+             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -397,7 +404,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
                    param_order_out=param_order_out, param_order_from_model=param_order_from_model,
-                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to), as_json)
+                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp), as_json)
 
 
 @command(main, "unfuse")
@@ -413,8 +420,10 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @drop_option
 @order_option
 @to_option
+@tp_option
+@pp_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer, param_order, to):
+               untie_training, drop_optimizer, param_order, to, tp, pp):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -424,7 +433,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer, param_order=param_order, to=to), as_json)
+                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp), as_json)
 
 
 @command(main, "convert")
@@ -437,15 +446,18 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 @order_option
 @drop_option
 @to_option
+@tp_option
+@pp_option
 def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json, param_order,
-                drop_optimizer, to):
+                drop_optimizer, to, tp, pp):
     """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
 
     Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
     without torch), an ONNX model's initializers, safetensors, npz. Tensors stored as file
     ranges are copied without decoding; shared storages and ties are written once. A training
     dict written to a PyTorch file keeps its optimizer state and every other entry; with --to,
-    a training checkpoint is written whole to a DCP or DeepSpeed universal folder.
+    a training checkpoint is written whole to a DCP or DeepSpeed universal folder, or
+    (--to megatron --tp N --pp M) a model in megatron-core's names as Megatron-LM rank files.
 
     \b
     Example:
@@ -453,7 +465,7 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     """
     _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
                       config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note,
-                      param_order=param_order, drop_optimizer=drop_optimizer, to=to), as_json)
+                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp), as_json)
 
 
 @command(main, "map")

@@ -92,6 +92,8 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "param_order_from_model": ("--param-order-from-model", _FLAG, ""),
     "max_shard_size": ("--max-shard-size", _VALUE, "SIZE"),
     "to": ("--to", _VALUE, "FORMAT"),
+    "tp": ("--tp", _VALUE, "N"),
+    "pp": ("--pp", _VALUE, "M"),
     "out": ("-o", _VALUE, "OUT"),
     "graph": ("--graph", _VALUE, "GRAPH"),
     "provider": ("--provider", _VALUE, "PROVIDER"),

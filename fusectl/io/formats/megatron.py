@@ -641,6 +641,22 @@ def _whole(tree: dict, problem: str | None) -> dict:
     return tree
 
 
+def saved_args(path: str, check_link: Callable[[str], None] | None = None) -> dict[str, object]:
+    """The fields of the ``args`` Namespace of the first rank file of the checkpoint at ``path``
+    (the reader checks that every rank's agree): the sizes a writer of the model needs.
+
+    :raises CheckpointError: as :func:`read_megatron` for a folder without rank files or args."""
+    check = check_link or _no_check
+    folder, _ = iteration_folder(path, check)
+    names = sorted(n for n in _listing(folder) if MEGATRON_RANK_FOLDER.fullmatch(n))
+    if not names:
+        raise CheckpointError(f"{printable(folder)}: holds no mp_rank_TT[_PPP][_EEE] folders; {_HOW}")
+    first = os.path.join(folder, names[0], RANK_FILE)
+    tree = _read(first, check)
+    Parallelism.of(tree, first)
+    return dict(tree["args"].state)
+
+
 def _no_check(path: str) -> None:
     return None
 

@@ -1,0 +1,368 @@
+"""Megatron-LM legacy checkpoints written at a chosen TP and PP, without torch or Megatron.
+
+The input is a model in megatron-core's TP=1 PP=1 names: what :mod:`.megatron`'s reader gives
+for any legacy save, or what the preset ``llama-to-megatron-gpt`` makes of a Hugging Face Llama.
+:func:`write_megatron` splits it by the inverse of the reader's rules and writes what Megatron-LM's
+``save_checkpoint`` (``--ckpt-format torch``) writes:
+
+- ``latest_checkpointed_iteration.txt`` (the iteration number) and
+  ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` per rank (``_PPP`` only at PP > 1), each a
+  ``torch.save`` dict with ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0,
+  ``iteration`` and ``model``: that rank's state dict, an ``OrderedDict`` in megatron-core's
+  module order, each linear module's ``_extra_state`` None beside its weight (the local spec's
+  value; Transformer Engine's layers accept None too);
+- TP rank r holds: of a column-parallel tensor (``linear_qkv``, ``word_embeddings``,
+  ``output_layer``) rows ``r·n/TP …`` (a query group whole on one rank, so the number of query
+  groups must divide by TP); of a SwiGLU ``linear_fc1`` ``[gate_r; up_r]``; of a row-parallel
+  weight (``linear_proj``, ``linear_fc2``) columns ``r·n/TP …``; a replicated tensor (norms,
+  row-parallel biases) whole;
+- PP stage p holds layers ``p·L/PP …``, numbered from 0; the embedding only on stage 0; the final
+  norm and the output layer only on the last (a tied head is stored there too at PP > 1, as
+  megatron-core keeps its copy of the embedding on the last stage; at PP = 1 it is not stored).
+
+Row pieces are file ranges of the input where it has them (nothing read but what is copied);
+column pieces of a row-parallel weight are computed when their rank's file is written, one tensor
+at a time. The sizes the split needs come from the tensors and a config: Megatron's own ``args``
+(``num_attention_heads``, ``num_query_groups``, ``kv_channels``) or a Hugging Face config.json
+(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``). No optimizer state is written:
+the caller refuses a training checkpoint unless its optimizer is dropped on purpose. MoE layers
+(``experts``) are refused: their expert-parallel layout is not written yet.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ...errors import PlanError, option_name, printable, quote
+from ...tensors import ByteRange, LazyTensor, RangesTensor, TensorSpec
+from ..sniff import MEGATRON_LATEST
+from .megatron import RANK_FILE, RECORDS, parallel_kind, rank_folder
+from .torch_writer import write_torch_file
+
+CHECKPOINT_VERSION = 3.0
+_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
+_HOW = "a config.json (Hugging Face) with num_attention_heads and num_key_value_heads"
+# megatron-core's module order within a layer (local and Transformer Engine specs)
+_MODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
+            "mlp.router.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+_TOP_FIRST = ("embedding.word_embeddings.", "embedding.position_embeddings.")
+_TOP_LAST = ("decoder.final_layernorm.", "output_layer.")
+_LINEAR = re.compile(r"(.*(?:linear_proj|linear_qkv|linear_fc1|linear_fc2)|output_layer)\.[a-z_]+")
+_EMBEDDING = "embedding.word_embeddings.weight"
+_OUTPUT = "output_layer.weight"
+
+
+@dataclass(frozen=True)
+class GptSizes:
+    """The sizes of a megatron-core GPT that its split and its ``args`` need."""
+
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    swiglu: bool
+    tied: bool
+    bias: bool
+
+
+def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | None, tied: bool,
+             where: str) -> GptSizes:
+    """The sizes of the model ``tensors`` (megatron-core's TP=1 names), its head counts from
+    ``config`` (Megatron's args or a Hugging Face config.json).
+
+    :param tensors: name → tensor of the whole model.
+    :param config: the config's values (None: none given).
+    :param tied: whether the output layer shares the embedding.
+    :param where: the input, as messages name it.
+    :raises PlanError: a config without head counts, tensors that disagree with it, an MoE model,
+        a name megatron-core's GPT does not have.
+    """
+    for name in tensors:
+        if ".experts." in name or name.endswith(".router.weight"):
+            raise PlanError(f"{where}: {quote(name)} is an MoE expert's; fusectl does not write Megatron's "
+                            "expert-parallel layout yet — write the model to a folder or a .safetensors file instead")
+        if parallel_kind(name, True, 2) is None:
+            raise PlanError(f"{where}: {quote(name)} is not a tensor of megatron-core's GPT (TP=1 names), so "
+                            "fusectl cannot tell how Megatron splits it; convert a Hugging Face Llama with the "
+                            "llama-to-megatron-gpt preset first")
+    layers = {int(m.group(1)) for m in map(_LAYER.fullmatch, tensors) if m}
+    if not layers or layers != set(range(len(layers))):
+        raise PlanError(f"{where}: holds layers {sorted(layers)[:8]}; a megatron-core GPT has decoder.layers.0 … "
+                        "without gaps")
+    qkv, proj = _need(tensors, "decoder.layers.0.self_attention.linear_qkv.weight", where), \
+        _need(tensors, "decoder.layers.0.self_attention.linear_proj.weight", where)
+    fc1, fc2 = _need(tensors, "decoder.layers.0.mlp.linear_fc1.weight", where), \
+        _need(tensors, "decoder.layers.0.mlp.linear_fc2.weight", where)
+    embedding = _need(tensors, _EMBEDDING, where)
+    hidden = embedding.spec.shape[1] if len(embedding.spec.shape) == 2 else 0
+    cfg = dict(config or {})
+    heads = _int(cfg, "num_attention_heads", where)
+    if heads is None:
+        raise PlanError(f"{where}: no config says how many attention heads the model has; give "
+                        f"{option_name('config')} {_HOW}")
+    megatron = "num_query_groups" in cfg or "kv_channels" in cfg
+    groups = _int(cfg, "num_query_groups" if megatron else "num_key_value_heads", where)
+    if groups is None or (megatron and cfg.get("group_query_attention") is False):
+        groups = heads
+    head_dim = _int(cfg, "kv_channels" if megatron else "head_dim", where) or (hidden // heads if heads else 0)
+    rows = (heads + 2 * groups) * head_dim
+    if qkv.spec.shape[:1] != (rows,) or proj.spec.shape != (hidden, heads * head_dim) or heads % groups:
+        raise PlanError(f"{where}: the config's {heads} heads in {groups} query groups of {head_dim} make a "
+                        f"linear_qkv of {rows} rows and a linear_proj [{hidden}, {heads * head_dim}], but the model "
+                        f"holds {qkv.spec} and {proj.spec}; give the model's own config")
+    swiglu = fc1.spec.shape[:1] == (2 * fc2.spec.shape[-1],)
+    ffn = fc2.spec.shape[-1]
+    return GptSizes(len(layers), hidden, ffn, heads, groups, head_dim, embedding.spec.shape[0], swiglu, tied,
+                    any(n.endswith(".bias") and "layernorm" not in n for n in tensors))
+
+
+def _need(tensors: Mapping[str, LazyTensor], name: str, where: str) -> LazyTensor:
+    if name not in tensors:
+        raise PlanError(f"{where}: holds no {quote(name)}, which every megatron-core GPT has; convert a Hugging "
+                        "Face Llama with the llama-to-megatron-gpt preset first")
+    return tensors[name]
+
+
+def _int(config: Mapping[str, object], key: str, where: str) -> int | None:
+    value = config.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 1:
+        raise PlanError(f"{where}: the config's {key} is {value!r}, not a positive integer; give "
+                        f"{option_name('config')} {_HOW}")
+    return value
+
+
+def check_divides(sizes: GptSizes, tp: int, pp: int, where: str) -> None:
+    """The model splits over ``tp`` tensor- and ``pp`` pipeline-parallel ranks.
+
+    :raises PlanError: naming the size that does not divide."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if type(value) is not int or value < 1:
+            raise PlanError(f"{option_name(name)} {value!r}: a positive integer")
+    for what, n, over in (("attention heads", sizes.heads, tp), ("query groups", sizes.groups, tp),
+                          ("ffn rows", sizes.ffn, tp), ("vocabulary rows", sizes.vocab, tp),
+                          ("layers", sizes.num_layers, pp)):
+        if n % over:
+            flag = option_name("pp" if what == "layers" else "tp")
+            raise PlanError(f"{where}: its {n} {what} do not divide over {flag} {over}; Megatron gives every rank an "
+                            f"equal part — choose a {flag} that divides {n}")
+
+
+# ------------------------------------------------------------------------------- the pieces
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _Rows(LazyTensor):
+    """Row runs ``(start, count)`` of a tensor laid end to end: file ranges where it has them."""
+
+    spec: TensorSpec
+    source: LazyTensor
+    runs: tuple[tuple[int, int], ...]
+
+    def byte_ranges(self) -> tuple[ByteRange, ...] | None:
+        """The runs' bytes as ranges of the source's files (None where it has none)."""
+        ranges = self.source.byte_ranges()
+        if ranges is None:
+            return None
+        row = self.source.spec.nbytes // self.source.spec.shape[0]
+        out = []
+        for start, count in self.runs:
+            lo, hi, at = start * row, (start + count) * row, 0
+            for r in ranges:
+                a, b = max(lo, at), min(hi, at + r.length)
+                if a < b:
+                    out.append(ByteRange(r.path, r.offset + a - at, b - a))
+                at += r.length
+        return tuple(out)
+
+    def read(self) -> np.ndarray:
+        """The runs, read from the source's ranges or cut from its data."""
+        ranges = self.byte_ranges()
+        if ranges is not None:
+            return RangesTensor(self.spec, ranges).read()
+        data = self.source.read()
+        return np.ascontiguousarray(np.concatenate([data[s:s + c] for s, c in self.runs]))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _Columns(LazyTensor):
+    """Columns ``start … start + count`` of a 2-D tensor, cut when read."""
+
+    spec: TensorSpec
+    source: LazyTensor
+    start: int
+
+    def read(self) -> np.ndarray:
+        """The columns, as a fresh C-ordered array."""
+        return np.ascontiguousarray(self.source.read()[:, self.start:self.start + self.spec.shape[1]])
+
+
+def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
+    """TP rank ``rank``'s piece of ``tensor`` of ``kind`` (:func:`.megatron.parallel_kind`): the
+    inverse of the reader's join.
+
+    >>> from fusectl.tensors import ArrayTensor
+    >>> from fusectl.dtypes import from_numpy
+    >>> w = np.arange(8, dtype=np.float32).reshape(4, 2)
+    >>> t = ArrayTensor(TensorSpec(from_numpy(w.dtype, "w"), (4, 2)), w)
+    >>> piece("column-swiglu", t, 1, 2).read().ravel().tolist()
+    [2.0, 3.0, 6.0, 7.0]
+    """
+    shape, dtype = tensor.spec.shape, tensor.spec.dtype
+    if kind == "replicated" or tp == 1:
+        return tensor
+    if kind == "row":
+        width = shape[1] // tp
+        return _Columns(TensorSpec(dtype, (shape[0], width)), tensor, rank * width)
+    if kind == "column":
+        n = shape[0] // tp
+        return _Rows(TensorSpec(dtype, (n, *shape[1:])), tensor, ((rank * n, n),))
+    half = shape[0] // 2
+    n = half // tp
+    return _Rows(TensorSpec(dtype, (2 * n, *shape[1:])), tensor, ((rank * n, n), (half + rank * n, n)))
+
+
+def _module_rank(local: str) -> int:
+    return next((i for i, m in enumerate(_MODULES) if local.startswith(m)), len(_MODULES))
+
+
+def _order(names: Sequence[str]) -> list[str]:
+    """``names`` in megatron-core's state-dict order (the input's order within a module)."""
+    def key(item: tuple[int, str]) -> tuple:
+        i, name = item
+        m = _LAYER.fullmatch(name)
+        if m is not None:
+            return (1, int(m.group(1)), _module_rank(m.group(2)), i)
+        first = next((j for j, p in enumerate(_TOP_FIRST) if name.startswith(p)), None)
+        if first is not None:
+            return (0, first, 0, i)
+        last = next((j for j, p in enumerate(_TOP_LAST) if name.startswith(p)), len(_TOP_LAST))
+        return (2, last, 0, i)
+    return [n for _, n in sorted(enumerate(names), key=key)]
+
+
+def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int
+                ) -> dict[tuple[int, int], collections.OrderedDict]:
+    """(tp rank, pp stage) → that rank's ``model`` state dict (tensors, and None for each linear
+    module's ``_extra_state``), in megatron-core's order."""
+    per_stage = sizes.num_layers // pp
+    names = _order(list(tensors))
+    if sizes.tied and _OUTPUT not in tensors:
+        # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
+        # output layer's extra state is stored
+        names.append(_OUTPUT)
+    out = {}
+    for p in range(pp):
+        for t in range(tp):
+            model: collections.OrderedDict = collections.OrderedDict()
+            extra = None
+            for name in names:
+                m = _LAYER.fullmatch(name)
+                if m is not None:
+                    layer = int(m.group(1))
+                    if not p * per_stage <= layer < (p + 1) * per_stage:
+                        continue
+                    local = f"decoder.layers.{layer - p * per_stage}.{m.group(2)}"
+                elif name.startswith("embedding.") and p > 0 or not name.startswith("embedding.") and p < pp - 1:
+                    continue
+                else:
+                    local = name
+                module = _LINEAR.fullmatch(local)
+                module = module.group(1) if module else None
+                if extra is not None and module != extra:
+                    model[f"{extra}._extra_state"] = None
+                extra = module
+                if sizes.tied and name == _OUTPUT and pp == 1:
+                    continue  # the head reads the embedding; its module keeps only its extra state
+                tensor = tensors[name] if name in tensors else tensors[_EMBEDDING]
+                model[local] = piece(parallel_kind(name, sizes.swiglu, tp), tensor, t, tp)
+            if extra is not None:
+                model[f"{extra}._extra_state"] = None
+            out[(t, p)] = model
+    return out
+
+
+# ------------------------------------------------------------------------------- the files
+
+
+def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Mapping[str, object] | None,
+                  dtype: str) -> object:
+    """The ``argparse.Namespace`` record Megatron-LM pickles into each rank file: the given
+    config's plain values where it is Megatron's own ``args``, then the sizes and parallelism."""
+    base: dict[str, object] = {}
+    if config and ("num_query_groups" in config or "tensor_model_parallel_size" in config):
+        base = {k: v for k, v in config.items() if v is None or type(v) in (int, float, bool, str)}
+    else:
+        cfg = dict(config or {})
+        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000))
+        eps = cfg.get("rms_norm_eps", 1e-5)
+        positions = cfg.get("max_position_embeddings")
+        base = {"max_position_embeddings": positions if type(positions) is int else None,
+                "seq_length": positions if type(positions) is int else None,
+                "position_embedding_type": "rope", "rotary_base": theta if type(theta) in (int, float) else 10000,
+                "rotary_percent": 1.0, "normalization": "RMSNorm", "norm_epsilon": eps if type(eps) is float else 1e-5}
+    base.update(
+        num_layers=sizes.num_layers, hidden_size=sizes.hidden, ffn_hidden_size=sizes.ffn,
+        num_attention_heads=sizes.heads, group_query_attention=sizes.groups != sizes.heads,
+        num_query_groups=sizes.groups, kv_channels=sizes.head_dim, swiglu=sizes.swiglu,
+        add_bias_linear=sizes.bias, untie_embeddings_and_output_weights=not sizes.tied,
+        padded_vocab_size=sizes.vocab, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=1, num_experts=None, fp16=dtype == "F16", bf16=dtype == "BF16",
+        ckpt_format="torch", use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp,
+        data_parallel_size=1)
+    base.setdefault("make_vocab_size_divisible_by", 1)
+    base.setdefault("transformer_impl", "local")
+    record = RECORDS.classes["argparse.Namespace"]()
+    record.state = base
+    return record
+
+
+def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int,
+                   config: Mapping[str, object] | None, tied: bool, iteration: int | None = None,
+                   where: str = "") -> tuple[int, int, int]:
+    """Write ``tensors`` (megatron-core's TP=1 names) as a Megatron-LM legacy save folder
+    ``folder`` (made if missing) at ``tp`` × ``pp`` (module docstring).
+
+    :param folder: the save folder (a temporary one the caller renames into place).
+    :param tensors: name → tensor of the whole model, in any order.
+    :param tp: tensor-parallel size.
+    :param pp: pipeline-parallel size.
+    :param config: head counts and the rest of ``args`` (Megatron's args or a Hugging Face config).
+    :param tied: the output layer shares the embedding (``output_layer.weight`` not stored at PP=1).
+    :param iteration: the iteration the save is named by (None: ``release``, as Megatron names a
+        converted model, whose loader refuses iteration 0).
+    :param where: the input, as messages name it.
+    :returns: (rank files written, bytes of tensors written in them, of which copied as file ranges).
+    :raises PlanError: sizes that do not divide, a model that is not megatron-core's GPT, before
+        anything is written.
+    """
+    where = where or printable(folder)
+    sizes = sizes_of(tensors, config, tied, where)
+    check_divides(sizes, tp, pp, where)
+    dtype = tensors[_EMBEDDING].spec.dtype.safetensors
+    models = rank_models(tensors, sizes, tp, pp)
+    args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype)
+    iteration_folder = os.path.join(folder, "release" if iteration is None else f"iter_{iteration:07d}")
+    written = copied = 0
+    for (t, p), model in models.items():
+        held = [v for v in model.values() if v is not None]
+        written += sum(v.spec.nbytes for v in held)
+        copied += sum(v.spec.nbytes for v in held if v.byte_ranges() is not None)
+        rank = os.path.join(iteration_folder, rank_folder(t, p, 0, pp, 1))
+        os.makedirs(rank, exist_ok=True)
+        tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
+        write_torch_file(os.path.join(rank, RANK_FILE), tree)
+    with open(os.path.join(folder, MEGATRON_LATEST), "w", encoding="ascii") as f:
+        f.write("release" if iteration is None else str(iteration))
+    return len(models), written, copied
