@@ -40,9 +40,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ...errors import PlanError, option_name, printable, quote
-from ...tensors import ByteRange, LazyTensor, RangesTensor, TensorSpec
+from ...rules.parallel import Ledger
+from ...tensors import LazyTensor, TensorSpec
 from ..sniff import MEGATRON_LATEST
-from .megatron import RANK_FILE, RECORDS, parallel_kind, rank_folder
+from .chunks import assemble, cut
+from .megatron import LAYOUT, RANK_FILE, RECORDS, parallel_kind, rank_folder
 from .torch_writer import write_torch_file
 
 CHECKPOINT_VERSION = 3.0
@@ -161,55 +163,10 @@ def check_divides(sizes: GptSizes, tp: int, pp: int, where: str) -> None:
 # ------------------------------------------------------------------------------- the pieces
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class _Rows(LazyTensor):
-    """Row runs ``(start, count)`` of a tensor laid end to end: file ranges where it has them."""
-
-    spec: TensorSpec
-    source: LazyTensor
-    runs: tuple[tuple[int, int], ...]
-
-    def byte_ranges(self) -> tuple[ByteRange, ...] | None:
-        """The runs' bytes as ranges of the source's files (None where it has none)."""
-        ranges = self.source.byte_ranges()
-        if ranges is None:
-            return None
-        row = self.source.spec.nbytes // self.source.spec.shape[0]
-        out = []
-        for start, count in self.runs:
-            lo, hi, at = start * row, (start + count) * row, 0
-            for r in ranges:
-                a, b = max(lo, at), min(hi, at + r.length)
-                if a < b:
-                    out.append(ByteRange(r.path, r.offset + a - at, b - a))
-                at += r.length
-        return tuple(out)
-
-    def read(self) -> np.ndarray:
-        """The runs, read from the source's ranges or cut from its data."""
-        ranges = self.byte_ranges()
-        if ranges is not None:
-            return RangesTensor(self.spec, ranges).read()
-        data = self.source.read()
-        return np.ascontiguousarray(np.concatenate([data[s:s + c] for s, c in self.runs]))
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class _Columns(LazyTensor):
-    """Columns ``start … start + count`` of a 2-D tensor, cut when read."""
-
-    spec: TensorSpec
-    source: LazyTensor
-    start: int
-
-    def read(self) -> np.ndarray:
-        """The columns, as a fresh C-ordered array."""
-        return np.ascontiguousarray(self.source.read()[:, self.start:self.start + self.spec.shape[1]])
-
-
 def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     """TP rank ``rank``'s piece of ``tensor`` of ``kind`` (:func:`.megatron.parallel_kind`): the
-    inverse of the reader's join.
+    layout's split inverted, the reader's join undone (rows as file ranges of the input where it
+    has them; other cuts made when the rank's file is written, one tensor at a time).
 
     >>> from fusectl.tensors import ArrayTensor
     >>> from fusectl.dtypes import from_numpy
@@ -218,18 +175,15 @@ def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     >>> piece("column-swiglu", t, 1, 2).read().ravel().tolist()
     [2.0, 3.0, 6.0, 7.0]
     """
-    shape, dtype = tensor.spec.shape, tensor.spec.dtype
-    if kind == "replicated" or tp == 1:
+    split, shape = LAYOUT.kind(kind), tensor.spec.shape
+    if split.replicated or tp == 1:
         return tensor
-    if kind == "row":
-        width = shape[1] // tp
-        return _Columns(TensorSpec(dtype, (shape[0], width)), tensor, rank * width)
-    if kind == "column":
-        n = shape[0] // tp
-        return _Rows(TensorSpec(dtype, (n, *shape[1:])), tensor, ((rank * n, n),))
-    half = shape[0] // 2
-    n = half // tp
-    return _Rows(TensorSpec(dtype, (2 * n, *shape[1:])), tensor, ((rank * n, n), (half + rank * n, n)))
+    axis = split.axis
+    local = tuple(n // tp if i == axis else n for i, n in enumerate(shape))
+    pieces = []
+    for start, at, count in split.runs(shape[axis], tp)[rank]:
+        pieces.append((tuple(start if i == axis else 0 for i in range(len(shape))), cut(tensor, axis, at, count)))
+    return assemble(TensorSpec(tensor.spec.dtype, local), pieces)
 
 
 def _module_rank(local: str) -> int:
@@ -261,6 +215,10 @@ def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp:
         # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
         # output layer's extra state is stored
         names.append(_OUTPUT)
+    ledger = Ledger()
+    for name, tensor in tensors.items():
+        split = LAYOUT.kind(parallel_kind(name, sizes.swiglu, tp))
+        ledger.source(name, tensor.spec.shape, None if split.replicated or tp == 1 else split.axis)
     out = {}
     for p in range(pp):
         for t in range(tp):
@@ -283,13 +241,44 @@ def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp:
                     model[f"{extra}._extra_state"] = None
                 extra = module
                 if sizes.tied and name == _OUTPUT and pp == 1:
+                    if name in tensors and t == 0:  # the input's head is the embedding (tied)
+                        ledger.copy(name, _EMBEDDING)
                     continue  # the head reads the embedding; its module keeps only its extra state
-                tensor = tensors[name] if name in tensors else tensors[_EMBEDDING]
-                model[local] = piece(parallel_kind(name, sizes.swiglu, tp), tensor, t, tp)
+                source = name if name in tensors else _EMBEDDING
+                kind = parallel_kind(source, sizes.swiglu, tp)
+                model[local] = piece(kind, tensors[source], t, tp)
+                _record(ledger, source, kind, tensors[source].spec.shape, (t, p, tp, pp), local, name != source)
             if extra is not None:
                 model[f"{extra}._extra_state"] = None
             out[(t, p)] = model
+    ledger.check(PlanError)
     return out
+
+
+def _record(ledger: Ledger, name: str, kind: str, shape: tuple[int, ...], rank: tuple[int, int, int, int],
+            local: str, tied_copy: bool) -> None:
+    """Record in ``ledger`` that rank ``rank`` (tp rank, pp stage, tp, pp) holds ``name``'s piece
+    as ``local``: its slices of the whole; a replicated tensor's whole once (on its first rank;
+    a copy on every other), a tied head a copy of its stage 0 embedding piece."""
+    t, p, tp, pp = rank
+    split = LAYOUT.kind(kind)
+    key = f"{rank_folder(t, p, 0, pp, 1)}: {local}"
+    if tied_copy:
+        ledger.output(key, shape, None)
+        ledger.copy(key, f"{rank_folder(t, 0, 0, pp, 1)}: {name}")
+        return
+    if split.replicated or tp == 1:
+        ledger.output(key, shape, None)
+        first = f"{rank_folder(0, p, 0, pp, 1)}: {local}"
+        if key == first:
+            ledger.take(name, 0, key, 0, 1)
+        else:
+            ledger.copy(key, first)
+        return
+    axis = split.axis
+    ledger.output(key, tuple(n // tp if i == axis else n for i, n in enumerate(shape)), axis)
+    for start, at, count in split.runs(shape[axis], tp)[t]:
+        ledger.take(name, at, key, start, count)
 
 
 # ------------------------------------------------------------------------------- the files
