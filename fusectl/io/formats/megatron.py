@@ -28,6 +28,11 @@ megatron-core 0.16.1 (``fixtures/generate_megatron.py`` states and checks them):
   the dense part is the same on every EP rank (the first one's is kept);
 - ``_extra_state`` entries (None without Transformer Engine) are left out, named in
   ``ignored``.
+- tied embeddings (``args.untie_embeddings_and_output_weights`` false) at PP > 1: the last
+  stage has no embedding, so megatron-core keeps a copy of it there as ``output_layer.weight``
+  (its gradient all-reduced with the embedding's); the copy is checked bitwise against the
+  embedding, TP rank by TP rank, and left out with its optimizer state (``distributed``
+  names it ``tied_head_copy``): the TP=1 model has one tensor, its head reads the embedding.
 
 Every copy a rule keeps only one of (a replicated tensor on each TP rank, the dense part on
 each EP rank) is checked to have the kept one's shape and dtype, and bitwise equal where it is
