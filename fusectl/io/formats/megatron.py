@@ -28,6 +28,11 @@ megatron-core 0.16.1 (``fixtures/generate_megatron.py`` states and checks them):
   the dense part is the same on every EP rank (the first one's is kept);
 - ``_extra_state`` entries (None without Transformer Engine) are left out, named in
   ``ignored``.
+- tied embeddings (``args.untie_embeddings_and_output_weights`` false) at PP > 1: the last
+  stage has no embedding, so megatron-core keeps a copy of it there as ``output_layer.weight``
+  (its gradient all-reduced with the embedding's); the copy is checked bitwise against the
+  embedding, TP rank by TP rank, and left out with its optimizer state (``distributed``
+  names it ``tied_head_copy``): the TP=1 model has one tensor, its head reads the embedding.
 
 Every copy a rule keeps only one of (a replicated tensor on each TP rank, the dense part on
 each EP rank) is checked to have the kept one's shape and dtype, and bitwise equal where it is
@@ -67,7 +72,7 @@ from ..optimizer_state import Training
 from ..sniff import MEGATRON_LATEST, MEGATRON_RANK_FOLDER
 from ..untrusted import open_input
 from ...rules.parallel import Ledger, shipped_layout
-from .chunks import assemble, cut
+from .chunks import assemble, cut, rows
 from .torch_file import Record, Records, described, read_torch_tree
 
 # the classes beyond the allow-list a model_optim_rng.pt pickles, read as inert records: the
@@ -90,6 +95,8 @@ _COMPARED_BYTES = 1 << 20  # copies up to this size are compared bitwise, larger
 _LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _EXPERT = re.compile(r"(.*\.experts\.local_experts\.)([0-9]+)(\..*)")
 _GROUPED_EXPERT = re.compile(r".*\.experts\.linear_fc[12]\.(weight|bias)[0-9]+")
+_NEVER = "Megatron-LM never writes one; the file is corrupt"
+_EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _HOW = "give the folder Megatron-LM's save_checkpoint wrote (or its iter_NNNNNNN folder) as it left it"
 
 # how megatron-core's layers hold each tensor at TP > 1: the layout file, shared with the writer
@@ -457,6 +464,49 @@ def _check_copies(name: str, copies: Sequence[tuple[str, str, LazyTensor]]) -> N
                                   "Megatron keeps it whole and equal on every rank; the folder mixes two saves")
 
 
+def _tied_head(par: Parallelism, tensors: dict[str, _Global], order: list[str]) -> str | None:
+    """Take a tied model's head copy out of the model: at PP > 1 the last stage has no
+    embedding, so megatron-core gives it ``output_layer.weight``, a copy of the embedding kept
+    equal by all-reducing their gradients; the TP=1 model has one tensor, the embedding (its
+    head reads it). Each TP rank's copy is checked bitwise against the embedding's piece of the
+    same rank, :data:`_COMPARED_BYTES` at a time; its optimizer state goes with it (the
+    embedding's is kept). Returns the name taken out, or None (untied, PP=1, no copy stored).
+
+    :raises CheckpointError: a copy that differs from the embedding, naming the two files and
+        the first row that differs; a tied save whose stages hold no embedding.
+    """
+    if not par.tied or par.pp == 1 or _OUTPUT not in tensors:
+        return None
+    if _EMBEDDING not in tensors:
+        path = tensors[_OUTPUT].copies[0][0][0]
+        raise CheckpointError(f"{printable(path)}: holds {quote(_OUTPUT)}, the head of a model its args say is tied "
+                              f"(untie_embeddings_and_output_weights false), but no stage holds {quote(_EMBEDDING)}; "
+                              "the folder mixes two saves")
+    for t, copies in sorted(tensors[_OUTPUT].copies.items()):
+        path, _, copy = copies[0]
+        first, _, embedding = tensors[_EMBEDDING].copies[t][0]
+        if copy.spec != embedding.spec:
+            raise CheckpointError(f"{printable(path)}: the tied head copy {quote(_OUTPUT)} is {copy.spec}, but "
+                                  f"{printable(first)}'s {quote(_EMBEDDING)} is {embedding.spec}; the folder mixes "
+                                  "two saves")
+        height = copy.spec.shape[0] if copy.spec.shape else 0
+        step = max(1, _COMPARED_BYTES // max(1, copy.spec.nbytes // max(1, height)))
+        for start in range(0, height, step):
+            count = min(step, copy.spec.shape[0] - start)
+            mine = rows(copy, start, count, printable(path), _NEVER).read()
+            theirs = rows(embedding, start, count, printable(first), _NEVER).read()
+            if mine.tobytes() != theirs.tobytes():
+                differs = next(i for i in range(count) if mine[i].tobytes() != theirs[i].tobytes())
+                raise CheckpointError(
+                    f"{printable(path)}: {quote(_OUTPUT)}, the last stage's copy of the tied embedding, differs from "
+                    f"{quote(_EMBEDDING)} in {printable(first)} (row {start + differs} of TP rank {t}'s piece), "
+                    "although megatron-core keeps the two equal; the checkpoint is of two saves or was edited — "
+                    "save it untied (untie_embeddings_and_output_weights) if the head is its own tensor")
+    del tensors[_OUTPUT]
+    order.remove(_OUTPUT)
+    return _OUTPUT
+
+
 # ------------------------------------------------------------------------------- the optimizer
 
 _DECAY, _EXPERT_GROUP, _NO_DECAY = "decay", "expert", "no-decay"
@@ -601,6 +651,8 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
     par, files, trees = _rank_files(folder, check)
     distrib_optim = files.pop("distrib_optim", None)
     tensors, order, extra, _ = _model(par, files, trees)
+    head_copies = tensors[_OUTPUT].copies if _OUTPUT in tensors else {}
+    head = _tied_head(par, tensors, order)
     model: collections.OrderedDict[str, LazyTensor] = collections.OrderedDict()
     ledger = Ledger()
     for name in order:
@@ -624,8 +676,14 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
     iteration = trees[(0, 0, 0)].get("iteration")
     distributed = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "world_size": len(files), "num_layers": par.num_layers,
                    "iteration": iteration if type(iteration) is int else None,
-                   "parallel": {n: tensors[n].kind for n in order},
-                   "accounted": ledger.check(CheckpointError)}
+                   "parallel": {n: tensors[n].kind for n in order}}
+    if head is not None:
+        distributed["tied_head_copy"] = head
+        for t, copies in sorted(head_copies.items()):  # checked bitwise against the embedding's piece
+            for path, key, tensor in copies:
+                ledger.source(_key(path, key), tensor.spec.shape, None)
+                ledger.copy(_key(path, key), _key(*tensors[_EMBEDDING].copies[t][0][:2]))
+    distributed["accounted"] = ledger.check(CheckpointError)
     read = [*([latest] if latest else []), *(files[r] for r in par.ranks())]
     training = _Training(path, ("model",), optimizer_path, lambda: _whole(tree, problem), problem)
     return Contents(dict(model), read, ignored=extra, training=training, order=list(model),
