@@ -220,11 +220,13 @@ def _distributed_lines(distributed: dict) -> list[str]:
     """How ``inspect`` says who wrote a checkpoint of many ranks: the sizes on one line, the
     parallel kinds counted, the accounting of every element.
 
-    >>> _distributed_lines({"tp": 2, "parallel": {"a": "row", "b": "row", "c": "column"},
+    >>> lines = _distributed_lines({"tp": 2, "parallel": {"a": "row", "b": "row", "c": "column"},
     ...     "accounted": {"source_tensors": 4, "source_elements": 96, "source_copies": 1, "output_tensors": 2,
     ...                   "output_elements": 96, "output_copies": 0}})
-    ['written by tp 2', 'parallel kinds: row 2, column 1', 'every element accounted for: 4 rank tensor(s), 96 element(s), each taken once (1 copy(ies) — of replicated tensors, of a tied head — compared with the one kept), \
-make 2 tensor(s) of 96 element(s)']
+    >>> lines[:2]
+    ['written by tp 2', 'parallel kinds: row 2, column 1']
+    >>> lines[2][:72]
+    'every element accounted for: 4 rank tensor(s), 96 element(s), each taken'
     """
     plain = {k: v for k, v in distributed.items() if k not in ("parallel", "accounted")}
     lines = ["written by " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in plain.items())]
@@ -237,7 +239,8 @@ make 2 tensor(s) of 96 element(s)']
     a = distributed.get("accounted")
     if isinstance(a, dict):
         lines.append(f"every element accounted for: {a['source_tensors']} rank tensor(s), {a['source_elements']} "
-                     f"element(s), each taken once ({a['source_copies']} copy(ies) — of replicated tensors, of a tied "
-                     f"head — compared with the one kept), make {a['output_tensors']} tensor(s) of {a['output_elements']} element(s)")
+                     f"element(s), each taken once ({a['source_copies']} copy(ies) — of replicated tensors, of a "
+                     f"tied head — compared with the one kept), make {a['output_tensors']} tensor(s) of "
+                     f"{a['output_elements']} element(s)")
     return lines
 

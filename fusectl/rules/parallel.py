@@ -264,8 +264,8 @@ def _tiles(key: str, account: _Account, kind: str, error: type[Exception]) -> No
     at = 0
     for start, count, other in sorted(account.slices):
         if start < at:
-            raise error(f"{quote(key)}: {units} {start} … {at - 1} are used twice (again by {quote(other)}); the plan "
-                        f"{'reads' if kind == 'source' else 'writes'} them twice")
+            raise error(f"{quote(key)}: {units} {start} … {at - 1} are used twice (again by {quote(other)}); "
+                        f"the plan {'reads' if kind == 'source' else 'writes'} them twice")
         if start > at:
             raise error(f"{quote(key)}: {units} {at} … {start - 1} of its {account.length} {what}")
         at = start + count

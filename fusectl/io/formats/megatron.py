@@ -605,8 +605,8 @@ def _optimizer(par: Parallelism, files: dict, trees: dict, tensors: dict[str, _G
         for k in keys:
             value = rank_states[0][k]
             if isinstance(value, LazyTensor) and value.spec.shape:
-                moments[k] = join(entry.kind, f"{name} ({k})",
-                                  [(path, f"{key} ({k})", s[k]) for (path, key, _), s in zip(first, rank_states)], ledger)
+                pieces = [(path, f"{key} ({k})", s[k]) for (path, key, _), s in zip(first, rank_states)]
+                moments[k] = join(entry.kind, f"{name} ({k})", pieces, ledger)
             else:
                 moments[k] = value
         path, key, tensor = first[0]
