@@ -20,7 +20,7 @@ import time
 
 import fuse_bench
 from convert_bench import log
-from fuse_bench import MB
+from fuse_bench import MB, BenchError
 
 RSS_BAR_MB = 100      # the fusectl method's peak RSS minus the largest tensor
 
@@ -30,6 +30,21 @@ def folder_bytes(folder) -> int:
     if os.path.isfile(folder):
         return os.path.getsize(folder)
     return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(folder) for name in names)
+
+
+def same_tensors(folder, reference) -> str:
+    """Every tensor of the safetensors folder ``folder`` has the name, dtype, shape and bytes of
+    ``reference``'s, read from the headers with no fusectl code.
+
+    :raises BenchError: a name missing on either side, or a tensor that differs (the first one).
+    """
+    got, ref = fuse_bench.folder_headers(folder), fuse_bench.folder_headers(reference)
+    if ref.keys() != got.keys():
+        raise BenchError(f"{folder}: names differ from {reference}: {sorted(ref.keys() ^ got.keys())[:5]}")
+    for name in sorted(got):
+        if got[name][1:3] != ref[name][1:3] or fuse_bench.tensor_bytes(got[name]) != fuse_bench.tensor_bytes(ref[name]):
+            raise BenchError(f"{folder}: {name} differs from {reference}")
+    return f"{len(got)} tensors, names, dtypes, shapes and bytes equal to {reference}'s"
 
 
 def timed_rounds(name, methods, args, command, output, after_first=None) -> list[dict]:

@@ -350,12 +350,7 @@ def check_output(converted, config, reference=None) -> str:
                              f"{sorted(got.keys() - want.keys())[:5]}, wrong dtype/shape {wrong[:5]}")
     what = f"{len(got)} tensors"
     if reference is not None:
-        ref = fuse_bench.folder_headers(reference)
-        if ref.keys() != got.keys():
-            raise BenchError(f"{converted}: names differ from {reference}: {sorted(ref.keys() ^ got.keys())[:5]}")
-        for name in sorted(got):
-            if fuse_bench.tensor_bytes(got[name]) != fuse_bench.tensor_bytes(ref[name]):
-                raise BenchError(f"{converted}: {name} differs from {reference}")
+        bench_rounds.same_tensors(converted, reference)
         what += ", bytes equal to zero_to_fp32's"
     return what
 
