@@ -14,6 +14,7 @@ of the medians, and its peak RSS minus the largest tensor (the bar: under 100 MB
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import subprocess
 import time
@@ -157,3 +158,25 @@ def measuring_setup(fusectl) -> tuple[str, int]:
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     version = subprocess.run([fusectl, "--version"], capture_output=True, text=True).stdout.strip()
     return version, min(fuse_bench.measure(["true"], 60)[1] for _ in range(3))
+
+
+def finish(what, table, args, started, setup, record) -> None:
+    """Print the run's title line, ``table`` and the total time; write --json FILE.
+
+    :param what: what was measured against what, the title's start.
+    :param args: the parsed options (``repeat``, ``settle``, ``json``).
+    :param started: ``time.perf_counter()`` when the benchmark began.
+    :param setup: (fusectl executable, its version, the wrapper's RSS floor in KiB).
+    :param record: the benchmark's own entries of the JSON record (its facts and runs).
+    """
+    fusectl, version, floor_kb = setup
+    print(f"\n{what}; {args.repeat} rounds, rotating order, sync and {args.settle:g} s before each run, "
+          f"warm page cache; {os.cpu_count()} CPUs, {platform.platform()}; {version}\n")
+    print(table)
+    total = time.perf_counter() - started
+    print(f"\ntotal benchmark time: {total:.0f} s")
+    if args.json:
+        fuse_bench.write_json(args.json, {
+            "fusectl": fusectl, "fusectl_version": version, "machine": platform.platform(),
+            "cpus": os.cpu_count(), "repeat": args.repeat, "settle_s": args.settle,
+            "wrapper_rss_floor_kb": floor_kb, **record, "total_s": total})

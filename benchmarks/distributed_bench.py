@@ -114,7 +114,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -472,18 +471,10 @@ def main(argv=None):
         got, facts[name] = run_checkpoint(name, kind, folder, config, methods, args, tools)
         runs += got
     table, _ = report(runs, facts, floor_kb)
-    print(f"\nfusectl convert CKPT -o OUT/ vs cp -r of that output && sync vs the framework's tool; "
-          f"{args.repeat} rounds, rotating order, sync before each run, warm page cache; "
-          f"{os.cpu_count()} CPUs, {platform.platform()}; {version}\n")
-    print(table)
-    total = time.perf_counter() - started
-    print(f"\ntotal benchmark time: {total:.0f} s")
-    if args.json:
-        fuse_bench.write_json(args.json, {
-            "fusectl": fusectl, "fusectl_version": version, "torch_python": args.torch_python,
-            "machine": platform.platform(), "cpus": os.cpu_count(), "repeat": args.repeat,
-            "wrapper_rss_floor_kb": floor_kb, "checkpoints": facts, "runs": runs, "total_s": total,
-            "baseline_scripts": BASELINES})
+    bench_rounds.finish("fusectl convert CKPT -o OUT/ vs cp -r of that output && sync vs the framework's tool",
+                        table, args, started, (fusectl, version, floor_kb),
+                        {"torch_python": args.torch_python, "checkpoints": facts, "runs": runs,
+                         "baseline_scripts": BASELINES})
     return 0
 
 
