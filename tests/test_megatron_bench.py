@@ -53,7 +53,7 @@ def test_measures_every_command_and_checks_the_round_trips(tmp_path, capsys, mon
     assert record["commands"]["to-megatron"][:4] == ["fusectl", "fuse", "HF", "-r"]
     logged = capsys.readouterr()
     assert "tiny to-megatron: 4 rank files: OK" in logged.err
-    assert "tiny reshard: 1 rank files: OK" in logged.err
+    assert "tiny reshard: 1 rank file: OK" in logged.err
     assert "tiny to-hf: 39 tensors, names, dtypes, shapes and bytes equal to" in logged.err
     assert "tiny reshard, back to HF: 39 tensors" in logged.err
     for name in names:
