@@ -33,11 +33,13 @@ What it measures
     round's own ratio, and peak RSS minus the model's largest tensor (the bar: under 100 MB, flat
     with the model's size).
 
-    Megatron's own consolidation is not timed: megatron-core 0.16.1 (/work/venvs/megatron) has no
-    public function that turns a legacy TP=2 PP=2 save into a TP=1 one (that is Megatron-LM's
-    tools/checkpoint/convert.py, which is not in the package, and needs the model code and
-    torch.distributed set up per rank); ``dist_checkpointing.load`` reads a torch_dist save,
-    which is not what these commands write.
+    Megatron's own consolidation is not timed: megatron-core 0.16.1 (/work/venvs/megatron) does
+    not read legacy rank files at all (no module of it names ``model_optim_rng.pt``: loading them
+    is ``megatron.training.checkpointing``'s, and resharding a save is Megatron-LM's
+    tools/checkpoint/convert.py, neither in the package, both needing the model code and
+    torch.distributed set up per rank); its ``resharding`` refits live tensors between running
+    ranks, and ``dist_checkpointing.load`` reads a torch_dist save, which these commands do not
+    write.
 
 How it checks
     Before any timed run: MEG has the four rank files ``mp_rank_0T_00P/model_optim_rng.pt`` and
