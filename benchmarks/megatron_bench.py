@@ -71,6 +71,11 @@ fusectl / (cp+sync), with its range)
     | 2GB   | to-hf       | 7.26 s  | 7.71 s  | 0.94x            | 1.06x (0.56..1.57) | 112 MB   |
     | 2GB   | reshard     | 8.01 s  | 9.44 s  | 0.85x            | 1.05x (0.41..1.69) | 125 MB   |
 
+    A second 2GB run with ``--settle 20`` (same machine, later): to-megatron 7.75 s / 8.05 s =
+    0.96x (per round 0.97x, 0.77..1.18), to-hf 5.66 / 5.30 s = 1.07x (1.51x, 0.60..2.42), reshard
+    4.26 / 3.10 s = 1.37x (2.09x, 0.64..3.53), peak RSS 120 / 112 / 124 MB; cp+sync of the same
+    1967 MB took 1.57 to 8.49 s.
+
     Every output is 1246 MB (1.2GB) or 1967 MB (2GB); every check passed (both round trips
     bitwise). Memory is flat: 111-125 MB at both sizes (and 41-50 MB for the tiny model), below
     the largest tensor (262 MB), so never a whole model nor a whole embedding; what it holds above
