@@ -32,6 +32,7 @@ the caller refuses a training checkpoint unless its optimizer is dropped on purp
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ...errors import PlanError, option_name, printable, quote
+from ...errors import PlanError, option, option_name, printable, quote
 from ...tensors import ByteRange, LazyTensor, RangesTensor, TensorSpec
 from ..sniff import MEGATRON_LATEST
 from .megatron import RANK_FILE, RECORDS, parallel_kind, rank_folder
@@ -251,45 +252,185 @@ def _order(names: Sequence[str]) -> list[str]:
     return [n for _, n in sorted(enumerate(names), key=key)]
 
 
-def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int
-                ) -> dict[tuple[int, int], collections.OrderedDict]:
-    """(tp rank, pp stage) → that rank's ``model`` state dict (tensors, and None for each linear
-    module's ``_extra_state``), in megatron-core's order."""
+def stage_layout(names: Sequence[str], sizes: GptSizes, pp: int) -> list[list[tuple[str, str | None]]]:
+    """Per PP stage, its ``model`` entries in megatron-core's order: (local name, the whole
+    model's name of the tensor it holds, or None for a linear module's ``_extra_state``). A tied
+    head at PP > 1 is the last stage's copy of ``embedding.word_embeddings.weight``."""
     per_stage = sizes.num_layers // pp
-    names = _order(list(tensors))
-    if sizes.tied and _OUTPUT not in tensors:
+    names = _order(list(names))
+    if sizes.tied and _OUTPUT not in names:
         # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
         # output layer's extra state is stored
         names.append(_OUTPUT)
-    out = {}
+    out = []
     for p in range(pp):
-        for t in range(tp):
-            model: collections.OrderedDict = collections.OrderedDict()
-            extra = None
-            for name in names:
-                m = _LAYER.fullmatch(name)
-                if m is not None:
-                    layer = int(m.group(1))
-                    if not p * per_stage <= layer < (p + 1) * per_stage:
-                        continue
-                    local = f"decoder.layers.{layer - p * per_stage}.{m.group(2)}"
-                elif name.startswith("embedding.") and p > 0 or not name.startswith("embedding.") and p < pp - 1:
+        entries: list[tuple[str, str | None]] = []
+        extra = None
+        for name in names:
+            m = _LAYER.fullmatch(name)
+            if m is not None:
+                layer = int(m.group(1))
+                if not p * per_stage <= layer < (p + 1) * per_stage:
                     continue
-                else:
-                    local = name
-                module = _LINEAR.fullmatch(local)
-                module = module.group(1) if module else None
-                if extra is not None and module != extra:
-                    model[f"{extra}._extra_state"] = None
-                extra = module
-                if sizes.tied and name == _OUTPUT and pp == 1:
-                    continue  # the head reads the embedding; its module keeps only its extra state
-                tensor = tensors[name] if name in tensors else tensors[_EMBEDDING]
-                model[local] = piece(parallel_kind(name, sizes.swiglu, tp), tensor, t, tp)
-            if extra is not None:
-                model[f"{extra}._extra_state"] = None
-            out[(t, p)] = model
+                local = f"decoder.layers.{layer - p * per_stage}.{m.group(2)}"
+            elif name.startswith("embedding.") and p > 0 or not name.startswith("embedding.") and p < pp - 1:
+                continue
+            else:
+                local = name
+            module = _LINEAR.fullmatch(local)
+            module = module.group(1) if module else None
+            if extra is not None and module != extra:
+                entries.append((f"{extra}._extra_state", None))
+            extra = module
+            if sizes.tied and name == _OUTPUT and pp == 1:
+                continue  # the head reads the embedding; its module keeps only its extra state
+            entries.append((local, _EMBEDDING if sizes.tied and name == _OUTPUT else name))
+        if extra is not None:
+            entries.append((f"{extra}._extra_state", None))
+        out.append(entries)
     return out
+
+
+def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int
+                ) -> dict[tuple[int, int], collections.OrderedDict]:
+    """(tp rank, pp stage) → that rank's ``model`` state dict (tensors, and None for each linear
+    module's ``_extra_state``), in megatron-core's order (:func:`stage_layout`)."""
+    out = {}
+    for p, entries in enumerate(stage_layout(list(tensors), sizes, pp)):
+        for t in range(tp):
+            out[(t, p)] = collections.OrderedDict(
+                (local, None if name is None else piece(parallel_kind(name, sizes.swiglu, tp), tensors[name], t, tp))
+                for local, name in entries)
+    return out
+
+
+# ------------------------------------------------------------------------------- the optimizer
+
+_NAMES_KEY = "fusectl.param_names"  # optimizer_state.NAMES_KEY: the parameter of each id, in id order
+
+
+@dataclass(frozen=True)
+class WholeOptimizer:
+    """The whole (TP=1 PP=1) model's optimizer, parsed for splitting: its param groups'
+    hyperparameters (``params`` and ``param_names`` left out) and, per parameter name, its
+    group's index and its state (``{}``: none, as torch keeps for a parameter never stepped)."""
+
+    hyper: tuple[dict, ...]
+    group_of: dict[str, int]
+    state_of: dict[str, dict]
+
+
+def whole_optimizer(optimizer: object, tensors: Mapping[str, LazyTensor], record: Mapping[str, str] | None,
+                    where: str) -> WholeOptimizer:
+    """The optimizer ``state_dict()`` of the whole model ``tensors`` parsed for splitting: each
+    id's parameter from its group's ``param_names`` (what fusectl's Megatron reader gives), else
+    from fusectl's ``record`` (the parameter of each id, in id order).
+
+    :param optimizer: torch's ``{"state": {id: {...}}, "param_groups": [...]}``.
+    :param tensors: the whole model (megatron-core's TP=1 names; a tied head left out).
+    :param record: the training dict's fusectl record (None: none).
+    :param where: the input, as messages name it.
+    :raises PlanError: an optimizer that is not torch's state_dict, ids no name is known for, a
+        parameter in no group or in two, a group naming a tensor the model does not hold, a
+        state tensor whose shape is not its parameter's, a moment some parameters lack.
+    """
+    state, groups = (optimizer.get("state"), optimizer.get("param_groups")) if isinstance(optimizer, dict) else \
+        (None, None)
+    if not isinstance(state, dict) or not isinstance(groups, list) or \
+            not all(isinstance(g, dict) and type(g.get("params")) is list for g in groups):
+        raise PlanError(f"{where}: its optimizer is not torch's state_dict (state, param_groups with params), so "
+                        f"fusectl cannot split it over Megatron's ranks; {_drop()}")
+    ids = [i for g in groups for i in g["params"]]
+    if len(set(ids)) != len(ids) or not all(type(i) is int for i in ids):
+        raise PlanError(f"{where}: its optimizer's param groups list an id twice or one that is not an integer; "
+                        f"fusectl cannot tell whose state each id is; {_drop()}")
+    if all(type(g.get("param_names")) is list and len(g["param_names"]) == len(g["params"]) for g in groups):
+        name_of = dict(zip(ids, (n for g in groups for n in g["param_names"])))
+    else:
+        names = _recorded_names(record)
+        if names is None or sorted(ids) != list(range(len(names))):
+            raise PlanError(f"{where}: its optimizer's param groups do not name their parameters (param_names) and "
+                            f"fusectl's record of them is missing or lists {len(names or [])} for {len(ids)} ids; "
+                            f"fusectl cannot tell whose state each id is; {_drop()}")
+        name_of = {i: names[i] for i in ids}
+    group_of: dict[str, int] = {}
+    for index, group in enumerate(groups):
+        for i in group["params"]:
+            name = name_of[i]
+            if name not in tensors:
+                raise PlanError(f"{where}: optimizer param group {index} holds {quote(str(name))}, which the model "
+                                f"to write does not hold; fusectl cannot map that group to Megatron's; {_drop()}")
+            if group_of.setdefault(name, index) != index:
+                raise PlanError(f"{where}: {quote(name)} is in two optimizer param groups; {_drop()}")
+    missing = next((n for n in tensors if n not in group_of), None)
+    if missing is not None:
+        raise PlanError(f"{where}: {quote(missing)} is in none of the optimizer's param groups, so megatron-core's "
+                        f"optimizer on its rank would have no group to put it in; {_drop()}")
+    state_of: dict[str, dict] = {}
+    moments: set[str] | None = None
+    for i, name in name_of.items():
+        entry = state.get(i, {})
+        if not isinstance(entry, dict):
+            raise PlanError(f"{where}: the optimizer state of {quote(name)} (id {i}) is not a dict; {_drop()}")
+        shaped = set()
+        for key, value in entry.items():
+            if isinstance(value, LazyTensor) and value.spec.shape:
+                if value.spec.shape != tensors[name].spec.shape:
+                    raise PlanError(f"{where}: the optimizer's {quote(str(key))} of {quote(name)} is {value.spec}, "
+                                    f"but the parameter is {tensors[name].spec}; fusectl splits a moment exactly "
+                                    f"like its parameter and cannot split this one; {_drop()}")
+                shaped.add(key)
+        if entry:
+            if moments is not None and shaped != moments:
+                lacking = sorted(moments ^ shaped)[0]
+                raise PlanError(f"{where}: the optimizer state of {quote(name)} lacks or adds {quote(str(lacking))} "
+                                f"beside the other parameters' moments; a missing moment is never written as one; "
+                                f"{_drop()}")
+            moments = shaped
+        state_of[name] = entry
+    hyper = tuple({k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups)
+    return WholeOptimizer(hyper, group_of, state_of)
+
+
+def _drop() -> str:
+    return f"pass {option('drop_optimizer')} to write the model without its optimizer state"
+
+
+def _recorded_names(record: Mapping[str, str] | None) -> list[str] | None:
+    """The parameter of each id fusectl recorded for a training dict it wrote, or None."""
+    text = (record or {}).get(_NAMES_KEY)
+    try:
+        names = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return names if isinstance(names, list) and all(type(n) is str for n in names) else None
+
+
+def rank_optimizer(whole: WholeOptimizer, entries: Sequence[tuple[str, str | None]], sizes: GptSizes, rank: int,
+                   tp: int) -> dict:
+    """TP rank ``rank``'s optimizer ``state_dict()`` for a stage holding ``entries``
+    (:func:`stage_layout`): megatron-core's param groups of its parameters — the whole
+    optimizer's groups in their order, empty ones left out, each with its hyperparameters —,
+    ids 0..n-1 through them, each parameter's state split like the parameter (:func:`piece`),
+    its numbers (``step``) as they are."""
+    members: list[list[str]] = [[] for _ in whole.hyper]
+    for _, name in entries:
+        if name is not None:
+            members[whole.group_of[name]].append(name)
+    state, groups, pid = {}, [], 0
+    for hyper, names in zip(whole.hyper, members):
+        if not names:
+            continue
+        ids = list(range(pid, pid + len(names)))
+        for i, name in zip(ids, names):
+            entry = whole.state_of[name]
+            if entry:
+                kind = parallel_kind(name, sizes.swiglu, tp)
+                state[i] = {k: piece(kind, v, rank, tp) if isinstance(v, LazyTensor) and v.spec.shape else v
+                            for k, v in entry.items()}
+        groups.append({**hyper, "params": ids})
+        pid += len(names)
+    return {"state": state, "param_groups": groups}
 
 
 # ------------------------------------------------------------------------------- the files
@@ -330,7 +471,9 @@ def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Map
 
 def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int,
                    config: Mapping[str, object] | None, tied: bool, iteration: int | None = None,
-                   where: str = "") -> tuple[int, int, int]:
+                   where: str = "", optimizer: WholeOptimizer | None = None, scheduler: object = None,
+                   metadata: Mapping[str, str] | None = None, config_text: bytes | None = None
+                   ) -> tuple[int, int, int]:
     """Write ``tensors`` (megatron-core's TP=1 names) as a Megatron-LM legacy save folder
     ``folder`` (made if missing) at ``tp`` × ``pp`` (module docstring).
 
@@ -343,6 +486,13 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     :param iteration: the iteration the save is named by (None: ``release``, as Megatron names a
         converted model, whose loader refuses iteration 0).
     :param where: the input, as messages name it.
+    :param optimizer: the whole model's optimizer (:func:`whole_optimizer`), written split per
+        rank as ``optimizer`` (:func:`rank_optimizer`); None: none written.
+    :param scheduler: ``opt_param_scheduler`` written in every rank file as it is (None: none).
+    :param metadata: fusectl's record (its provenance), kept in every rank file's archive
+        (``torch_writer``), which ``torch.load`` does not read.
+    :param config_text: a config.json written beside ``latest_checkpointed_iteration.txt``,
+        where Megatron-LM does not look.
     :returns: (rank files written, bytes of tensors written in them, of which copied as file ranges).
     :raises PlanError: sizes that do not divide, a model that is not megatron-core's GPT, before
         anything is written.
@@ -352,17 +502,28 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     check_divides(sizes, tp, pp, where)
     dtype = tensors[_EMBEDDING].spec.dtype.safetensors
     models = rank_models(tensors, sizes, tp, pp)
+    layout = stage_layout(list(tensors), sizes, pp)
     args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype)
     iteration_folder = os.path.join(folder, "release" if iteration is None else f"iter_{iteration:07d}")
     written = copied = 0
     for (t, p), model in models.items():
-        held = [v for v in model.values() if v is not None]
+        tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
+        if optimizer is not None:
+            tree["optimizer"] = rank_optimizer(optimizer, layout[p], sizes, t, tp)
+            if scheduler is not None:
+                tree["opt_param_scheduler"] = scheduler
+        held = [v for v in model.values() if v is not None] + \
+            [v for e in tree.get("optimizer", {"state": {}})["state"].values() for v in e.values()
+             if isinstance(v, LazyTensor)]
         written += sum(v.spec.nbytes for v in held)
         copied += sum(v.spec.nbytes for v in held if v.byte_ranges() is not None)
         rank = os.path.join(iteration_folder, rank_folder(t, p, 0, pp, 1))
         os.makedirs(rank, exist_ok=True)
-        tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
-        write_torch_file(os.path.join(rank, RANK_FILE), tree)
+        write_torch_file(os.path.join(rank, RANK_FILE), tree, metadata=metadata)
     with open(os.path.join(folder, MEGATRON_LATEST), "w", encoding="ascii") as f:
         f.write("release" if iteration is None else str(iteration))
+    if config_text is not None:
+        with open(os.path.join(folder, "config.json"), "wb") as f:
+            f.write(config_text)
     return len(models), written, copied
+
