@@ -326,8 +326,9 @@ def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[
         if on_note is None:
             return
         if scheduler is None:
-            on_note(f"{where}: holds no opt_param_scheduler, so {printable(out)} has none (Megatron-LM's "
-                    "load_checkpoint reads one beside the optimizer: resume with --override-opt_param-scheduler)")
+            on_note(f"{where}: holds no opt_param_scheduler, so {printable(out)} has none; Megatron-LM's "
+                    "load_checkpoint reads one beside the optimizer and stops without it (add the scheduler's "
+                    "state_dict() to each rank file, or resume with --no-load-optim)")
         if not found:
             on_note(f"{where}: its iteration is not known, so {printable(out)} is a release save, whose optimizer "
                     "Megatron-LM does not load (it fine-tunes a release); rename release/ to iter_NNNNNNN/ and "
