@@ -328,13 +328,13 @@ def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[
         if scheduler is None:
             on_note(f"{where}: holds no opt_param_scheduler, so {printable(out)} has none; Megatron-LM's "
                     "load_checkpoint reads one beside the optimizer and stops without it (add the scheduler's "
-                    "state_dict() to each rank file, or resume with --no-load-optim)")
+                    "state_dict() to each rank file, or resume with `pretrain_gpt.py --no-load-optim`)")
         if not found:
             on_note(f"{where}: its iteration is not known, so {printable(out)} is a release save, whose optimizer "
                     "Megatron-LM does not load (it fine-tunes a release); rename release/ to iter_NNNNNNN/ and "
                     "write NNNNNNN in latest_checkpointed_iteration.txt to resume")
         on_note(f"{printable(out)}: holds no rng_state (the input's ranks' RNG states are of its own "
-                "parallelism); resume with Megatron-LM's --no-load-rng")
+                "parallelism); resume with `pretrain_gpt.py --no-load-rng`")
 
     return write
 
