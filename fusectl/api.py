@@ -224,7 +224,8 @@ def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple
                     drop_optimizer: bool, max_shard_size: int | None) -> None:
     """``tp``/``pp`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of rank
     files: PlanError for a file output, a Hugging Face Trainer folder's optimizer (not
-    megatron-core's param groups) not dropped on purpose, a shard size."""
+    megatron-core's param groups) not dropped on purpose, a shard size; CheckpointError for an
+    optimizer the reader could not map, not dropped on purpose."""
     given = [name for name, value in zip(("tp", "pp"), parallel) if value is not None]
     if to != "megatron":
         if given:
@@ -239,6 +240,8 @@ def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple
         raise PlanError(f"{printable(str(checkpoint.path))} is a Hugging Face Trainer folder, whose optimizer.pt "
                         f"{flag} cannot split over megatron-core's param groups; pass {option('drop_optimizer')} "
                         "to write the model without it")
+    if _has_optimizer(checkpoint) and not drop_optimizer:
+        _or_drop(checkpoint.training.tree)  # an optimizer the reader could not map: never dropped silently
     if max_shard_size is not None:
         raise PlanError(f"{flag} writes one file per rank; {option_name('max_shard_size')} does not apply, leave it "
                         "out")
