@@ -682,8 +682,9 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
         checkpoint (PlanError for an input without an optimizer, or an output that is not a folder);
         or ``"megatron"``: the model (megatron-core's TP=1 names, as ``llama-to-megatron-gpt``
         makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp``
-        (``io.formats.megatron_writer``), no optimizer state (PlanError for an input with one,
-        unless ``drop_optimizer``), no provenance.
+        (``io.formats.megatron_writer``), with a training input's optimizer split over the
+        ranks like its parameters (PlanError for one it cannot map, unless ``drop_optimizer``),
+        the input's scheduler, fusectl's provenance in the rank files, its config.json beside.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
@@ -785,7 +786,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         prove it.
     :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
         (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``); ``"megatron"``: the
-        model as a Megatron-LM legacy save.
+        model (its optimizer split with it, as :func:`fuse`'s) as a Megatron-LM legacy save.
     :param tp: as :func:`fuse`'s.
     :param pp: as :func:`fuse`'s.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
@@ -901,7 +902,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
     :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
         (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``), its optimizer as read;
-        or ``"megatron"``: the model as a Megatron-LM legacy save at ``tp`` × ``pp``.
+        or ``"megatron"``: the model (its optimizer split with it, as :func:`fuse`'s) as a
+        Megatron-LM legacy save at ``tp`` × ``pp``.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).

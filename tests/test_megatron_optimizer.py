@@ -184,6 +184,13 @@ def test_an_optimizer_fusectl_cannot_map_is_refused_naming_it(cli, tmp_path, edi
     assert not out.exists()
 
 
+def test_a_trainer_folders_optimizer_is_refused_unless_dropped(cli, tmp_path):
+    """A Hugging Face Trainer folder's optimizer.pt is not megatron-core's param groups: refused, never dropped."""
+    out = tmp_path / "out"
+    refused(cli("convert", FIXTURES / "training" / "trainer" / "checkpoint-2", "--to", "megatron", "-o", out),
+            "Trainer folder", "--drop-optimizer", unwritten=[out])
+
+
 def test_whole_optimizer_refuses_what_is_not_torchs_state_dict():
     model = {"w": ArrayTensor(TensorSpec(from_numpy(np.dtype("float32"), "w"), (2, 2)), np.zeros((2, 2), np.float32))}
     for optimizer in (None, {"state": {}}, {"state": [], "param_groups": []}, {"state": {}, "param_groups": [{}]}):
