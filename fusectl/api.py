@@ -318,7 +318,8 @@ def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[
     def write(folder: str, root, model_path, optimizer_path, metadata: Mapping[str, str], out: str) -> None:
         model = node_at(root, model_path)
         tensors = {n: t for n, t in model.items() if isinstance(t, LazyTensor) and not (tied and n == _HEAD)}
-        whole = whole_optimizer(node_at(root, optimizer_path), tensors, metadata, where)
+        whole = whole_optimizer(node_at(root, optimizer_path), tensors, metadata, where,
+                                copies={_HEAD: _EMBEDDING} if tied else None)
         scheduler = _megatron_scheduler(checkpoint, root)
         found = iteration if iteration is not None else \
             (root.get("iteration") if isinstance(root, dict) and type(root.get("iteration")) is int else None)

@@ -108,6 +108,29 @@ def test_pp_only_round_trip_is_bitwise_with_the_optimizer(cli, tmp_path):
     assert_same_training(back, MEGATRON / "gpt-tp2-pp2-legacy")
 
 
+def test_tied_head_copy_on_the_last_stage_takes_the_embeddings_state(cli, tmp_path):
+    """tied TP=2 → TP=2 × PP=2 (the last stage's head copy gets the embedding's moments, as
+    megatron-core trains it with the embedding's gradient) → TP=2: megatron's own rank files; a
+    copy whose state differs from the embedding's is refused, never one of them dropped."""
+    staged, back = tmp_path / "staged", tmp_path / "back"
+    ok(cli("convert", MEGATRON / "tied-tp2-legacy", "--to", "megatron", "--tp", "2", "--pp", "2", "-o", staged))
+    ranks = rank_files(staged)
+    first, last = ranks["mp_rank_01_000"]["optimizer"], ranks["mp_rank_01_001"]["optimizer"]
+    head = last["param_groups"][0]["params"][-1]  # the last decayed parameter of the last stage
+    assert list(ranks["mp_rank_01_001"]["model"])[-2] == "output_layer.weight"
+    assert_same(last["state"][head], first["state"][0], "head copy")  # its state is the embedding's
+    ok(cli("convert", staged, "--to", "megatron", "--tp", "2", "-o", back))
+    assert_same_training(back, MEGATRON / "tied-tp2-legacy")
+    spec = TensorSpec(from_numpy(np.dtype("float32"), "w"), (2,))
+    zero, one = (ArrayTensor(spec, np.full(2, v, np.float32)) for v in (0, 1))
+    optimizer = {"state": {0: {"exp_avg": zero}, 1: {"exp_avg": one}},
+                 "param_groups": [{"params": [0, 1], "param_names": ["e", "h"]}]}
+    with pytest.raises(PlanError, match="a copy of 'e'"):
+        whole_optimizer(optimizer, {"e": zero}, None, "in", copies={"h": "e"})
+    optimizer["state"][1] = {"exp_avg": ArrayTensor(spec, np.zeros(2, np.float32))}
+    assert whole_optimizer(optimizer, {"e": zero}, None, "in", copies={"h": "e"}).group_of == {"e": 0}
+
+
 def test_fused_to_llama_and_back_to_megatron_moves_the_optimizer_bitwise_and_unfuses(cli, tmp_path):
     """megatron → Hugging Face Llama names (a training .pt, its optimizer moved) → --to megatron at TP=2:
     megatron's own model and optimizer; the provenance travels in the rank files, so unfuse

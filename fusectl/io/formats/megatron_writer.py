@@ -321,7 +321,7 @@ class WholeOptimizer:
 
 
 def whole_optimizer(optimizer: object, tensors: Mapping[str, LazyTensor], record: Mapping[str, str] | None,
-                    where: str) -> WholeOptimizer:
+                    where: str, copies: Mapping[str, str] | None = None) -> WholeOptimizer:
     """The optimizer ``state_dict()`` of the whole model ``tensors`` parsed for splitting: each
     id's parameter from its group's ``param_names`` (what fusectl's Megatron reader gives), else
     from fusectl's ``record`` (the parameter of each id, in id order).
@@ -330,10 +330,15 @@ def whole_optimizer(optimizer: object, tensors: Mapping[str, LazyTensor], record
     :param tensors: the whole model (megatron-core's TP=1 names; a tied head left out).
     :param record: the training dict's fusectl record (None: none).
     :param where: the input, as messages name it.
+    :param copies: name → the tensor of ``tensors`` it is a copy of (a tied head's copy on the last
+        PP stage, which megatron-core trains with the embedding's gradient): its state, where the
+        optimizer has one, must be the kept one's, bitwise; it is written as that one's.
     :raises PlanError: an optimizer that is not torch's state_dict, ids no name is known for, a
         parameter in no group or in two, a group naming a tensor the model does not hold, a
-        state tensor whose shape is not its parameter's, a moment some parameters lack.
+        state tensor whose shape is not its parameter's, a moment some parameters lack, a
+        copy's state that is not its tensor's.
     """
+    copies = dict(copies or {})
     state, groups = (optimizer.get("state"), optimizer.get("param_groups")) if isinstance(optimizer, dict) else \
         (None, None)
     if not isinstance(state, dict) or not isinstance(groups, list) or \
@@ -354,8 +359,11 @@ def whole_optimizer(optimizer: object, tensors: Mapping[str, LazyTensor], record
                             f"fusectl cannot tell whose state each id is; {_drop()}")
         name_of = {i: names[i] for i in ids}
     group_of: dict[str, int] = {}
+    copied = {i: name_of.pop(i) for i in list(name_of) if name_of[i] in copies}
     for index, group in enumerate(groups):
         for i in group["params"]:
+            if i in copied:
+                continue
             name = name_of[i]
             if name not in tensors:
                 raise PlanError(f"{where}: optimizer param group {index} holds {quote(str(name))}, which the model "
@@ -388,8 +396,30 @@ def whole_optimizer(optimizer: object, tensors: Mapping[str, LazyTensor], record
                                 f"{_drop()}")
             moments = shaped
         state_of[name] = entry
+    for i, name in copied.items():
+        kept = copies[name]
+        index = next(n for n, g in enumerate(groups) if i in g["params"])
+        if index != group_of[kept] or not _same_state(state.get(i, {}), state_of[kept]):
+            raise PlanError(f"{where}: the optimizer state of {quote(name)}, a copy of {quote(kept)}, is not that "
+                            f"tensor's (another group, or other moments), so the copy is not trained as it is; "
+                            f"fusectl writes one state for both and cannot choose; {_drop()}")
     hyper = tuple({k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups)
     return WholeOptimizer(hyper, group_of, state_of)
+
+
+def _same_state(a: object, b: Mapping) -> bool:
+    """Two optimizer states with the same entries, numbers equal and tensors bitwise."""
+    if not isinstance(a, dict) or list(a) != list(b):
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, LazyTensor) or isinstance(other, LazyTensor):
+            if not (isinstance(value, LazyTensor) and isinstance(other, LazyTensor) and value.spec == other.spec
+                    and value.read().tobytes() == other.read().tobytes()):
+                return False
+        elif type(value) is not type(other) or value != other:
+            return False
+    return True
 
 
 def _drop() -> str:
