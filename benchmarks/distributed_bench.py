@@ -114,14 +114,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fuse_bench  # noqa: E402  (the benchmarks folder is not a package)
+import bench_rounds  # noqa: E402  (the benchmarks folder is not a package)
+import fuse_bench  # noqa: E402
+from bench_rounds import folder_bytes  # noqa: E402
 from convert_bench import comma_list, log  # noqa: E402
 from fuse_bench import MB, BenchError  # noqa: E402
 
@@ -138,7 +138,6 @@ SIZES = {
     "2GB": dict(LLAMA, hidden_size=2048, intermediate_size=5632, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=32000, num_hidden_layers=9),
 }
-RSS_BAR_MB = 100      # convert's peak RSS minus the largest tensor
 SEED = 0
 
 BASELINES = {
@@ -312,13 +311,6 @@ def ensure_checkpoint(work, kind, label, torch_python):
 # measuring
 # --------------------------------------------------------------------------------------------
 
-def folder_bytes(folder) -> int:
-    """Bytes of every file under ``folder`` (or of the file ``folder``)."""
-    if os.path.isfile(folder):
-        return os.path.getsize(folder)
-    return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(folder) for name in names)
-
-
 def base_kind(kind) -> str:
     """"dcp" or "zero": which framework tool consolidates a checkpoint of ``kind``."""
     return "dcp" if kind.startswith("dcp") else "zero"
@@ -357,12 +349,7 @@ def check_output(converted, config, reference=None) -> str:
                              f"{sorted(got.keys() - want.keys())[:5]}, wrong dtype/shape {wrong[:5]}")
     what = f"{len(got)} tensors"
     if reference is not None:
-        ref = fuse_bench.folder_headers(reference)
-        if ref.keys() != got.keys():
-            raise BenchError(f"{converted}: names differ from {reference}: {sorted(ref.keys() ^ got.keys())[:5]}")
-        for name in sorted(got):
-            if fuse_bench.tensor_bytes(got[name]) != fuse_bench.tensor_bytes(ref[name]):
-                raise BenchError(f"{converted}: {name} differs from {reference}")
+        bench_rounds.same_tensors(converted, reference)
         what += ", bytes equal to zero_to_fp32's"
     return what
 
@@ -384,28 +371,19 @@ def run_checkpoint(name, kind, src, config, methods, args, tools):
                        args.timeout)
     facts = {"input_bytes": folder_bytes(src), "output_bytes": folder_bytes(reference),
              "largest_tensor_bytes": largest_tensor(reference), "source": src}
-    runs, checked = [], False
-    for rep in range(args.repeat):
-        order = methods[rep % len(methods):] + methods[:rep % len(methods)]
-        for method in order:
-            dst = output_path(out_dir, name, method, kind)
-            fuse_bench.remove(dst)
-            os.sync()
-            time.sleep(args.settle)
-            cmd = method_command(method, kind, src, dst, reference, tools["fusectl"], args.torch_python,
-                                 tools["scripts"])
-            wall, rss, utime, stime = fuse_bench.measure(cmd, args.timeout)
-            log(f"rep {rep + 1}/{args.repeat} {name:<12} {method:<8} {wall:7.2f} s {rss * 1024 / MB:7.0f} MB")
-            runs.append(dict(checkpoint=name, method=method, rep=rep, wall_s=wall, peak_rss_kb=rss,
-                             user_s=utime, sys_s=stime, output_bytes=folder_bytes(dst)))
-        if not checked:
-            zero_ref = output_path(out_dir, name, "torch", kind)
-            zero_ref = zero_ref if "torch" in methods and base_kind(kind) == "zero" else None
-            log(f"  {name}: convert's output: " + check_output(output_path(out_dir, name, "convert", kind),
-                                                               config, zero_ref) + ": OK")
-            checked = True
-        for method in methods:
-            fuse_bench.remove(output_path(out_dir, name, method, kind))
+
+    def command(method, dst):
+        return method_command(method, kind, src, dst, reference, tools["fusectl"], args.torch_python,
+                              tools["scripts"])
+
+    def check():
+        zero_ref = output_path(out_dir, name, "torch", kind)
+        zero_ref = zero_ref if "torch" in methods and base_kind(kind) == "zero" else None
+        log(f"  {name}: convert's output: " + check_output(output_path(out_dir, name, "convert", kind),
+                                                           config, zero_ref) + ": OK")
+
+    runs = bench_rounds.timed_rounds(name, methods, args, command,
+                                     lambda method: output_path(out_dir, name, method, kind), check)
     fuse_bench.remove(reference)
     return runs, facts
 
@@ -415,45 +393,9 @@ def run_checkpoint(name, kind, src, config, methods, args, tools):
 # --------------------------------------------------------------------------------------------
 
 def report(runs, facts, floor_kb) -> tuple[str, dict]:
-    """The table and the summary lines; the medians by (checkpoint, method)."""
-    row = "{0:<13} {1:<8} {2:>9} {3:>13} {4:>9} {5:>12} {6:>14} {7:>10}"
-    header = row.format("checkpoint", "method", "median s", "(min..max)", "out MB", "peak RSS MB",
-                        "RSS-largest MB", "/ cp+sync")
-    out, med = [header, "-" * len(header)], {}
-    for name, fact in facts.items():
-        largest = fact["largest_tensor_bytes"] / MB
-        cp = [r["wall_s"] for r in runs if (r["checkpoint"], r["method"]) == (name, "cp+sync")]
-        for method in METHODS:
-            rs = [r for r in runs if (r["checkpoint"], r["method"]) == (name, method)]
-            if not rs:
-                continue
-            walls = [r["wall_s"] for r in rs]
-            wall = statistics.median(walls)
-            rss = statistics.median(r["peak_rss_kb"] for r in rs) * 1024 / MB
-            med[name, method] = (wall, rss)
-            at_floor = "*" if min(r["peak_rss_kb"] for r in rs) <= floor_kb * 1.05 else " "
-            ratio = f"{wall / statistics.median(cp):.2f}x" if cp else "-"
-            out.append(row.format(name, method, f"{wall:.2f}", f"({min(walls):.2f}..{max(walls):.2f})",
-                                  f"{rs[0]['output_bytes'] / MB:.0f}", f"{rss:.0f}{at_floor}",
-                                  f"{rss - largest:.0f}", ratio))
-        out.append(f"{'':<13} input {fact['input_bytes'] / MB:.0f} MB, largest tensor {largest:.0f} MB")
-        out.append("")
-    out.append(f"* = at the measuring wrapper's floor ({floor_kb * 1024 / MB:.1f} MB)")
-    for name, fact in facts.items():
-        largest = fact["largest_tensor_bytes"] / MB
-        if (name, "convert") in med and (name, "cp+sync") in med:
-            # the ratio of each round's two runs (close in time: a shared disk's load moves both)
-            # beside the ratio of the medians; the bar is judged on the former
-            labelled = [dict(r, size=r["checkpoint"]) for r in runs]
-            out.append(f"{name}: {fuse_bench._round_ratios(labelled, name, 'convert', 'cp+sync', med)}")
-        if (name, "convert") in med:
-            extra = med[name, "convert"][1] - largest
-            out.append(f"{name}: convert peak RSS - largest tensor = {extra:.0f} MB "
-                       f"({'within' if extra < RSS_BAR_MB else 'OVER'} the < {RSS_BAR_MB} MB bar)")
-        if (name, "convert") in med and (name, "torch") in med:
-            out.append(f"{name}: framework tool / convert: {med[name, 'torch'][0] / med[name, 'convert'][0]:.2f}x "
-                       f"the time, {med[name, 'torch'][1] / med[name, 'convert'][1]:.1f}x the peak RSS")
-    return "\n".join(out), med
+    """The table and the summary lines (``bench_rounds.report``, convert judged); the medians by
+    (checkpoint, method)."""
+    return bench_rounds.report(runs, facts, floor_kb, METHODS, "convert")
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,24 +422,14 @@ def parse_args(argv):
     parser.add_argument("--checkpoint", action="append", default=[], metavar="KIND=DIR",
                         help="measure this folder instead of generated ones (KIND: dcp or zero*)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"from {', '.join(METHODS)} (default all)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
-    parser.add_argument("--settle", type=float, default=10.0,
-                        help="seconds to wait after the sync before each timed run, so that no run "
-                             "rides on or pays for the disk's flush of the one before (default 10)")
-    parser.add_argument("--work", default=WORK, help=f"checkpoint cache and outputs (default {WORK})")
     parser.add_argument("--torch-python", default=TORCH_PYTHON,
                         help=f"a Python with torch, deepspeed and transformers (default {TORCH_PYTHON})")
-    parser.add_argument("--fusectl", help="fusectl executable (default: beside this Python, else PATH)")
-    parser.add_argument("--timeout", type=float, default=1800, help="per-run limit in seconds (default 1800)")
-    parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
+    bench_rounds.add_round_arguments(parser, WORK)
     args = parser.parse_args(argv)
     args.sizes = comma_list(parser, "--sizes", args.sizes, SIZES)
     args.kinds = comma_list(parser, "--kinds", args.kinds, KINDS)
     args.methods = comma_list(parser, "--methods", args.methods, METHODS)
-    if args.repeat < 1:
-        parser.error("--repeat must be at least 1")
-    if args.settle < 0:
-        parser.error("--settle must be 0 or more")
+    bench_rounds.check_round_arguments(parser, args)
     pairs = []
     for item in args.checkpoint:
         kind, sep, folder = item.partition("=")
@@ -514,9 +446,6 @@ def main(argv=None):
         return generate_main(*argv[1:])
     args = parse_args(argv)
     started = time.perf_counter()
-    # the measured Pythons cache their compiled modules as an installed package does (where this
-    # is set, every fusectl start compiled its ~50 modules again: ~0.1 s of each run here)
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     work = os.path.abspath(args.work)
     os.makedirs(os.path.join(work, "scripts"), exist_ok=True)
     scripts = {}
@@ -535,26 +464,17 @@ def main(argv=None):
     for base, ok in found.items():
         if not ok:
             log(f"{args.torch_python} cannot run {PROBE[base]!r}: the {base} checkpoints are measured without it")
-    version = subprocess.run([fusectl, "--version"], capture_output=True, text=True).stdout.strip()
-    floor_kb = min(fuse_bench.measure(["true"], 60)[1] for _ in range(3))
+    version, floor_kb = bench_rounds.measuring_setup(fusectl)
     runs, facts = [], {}
     for name, kind, folder, config in checkpoints:
         methods = [m for m in args.methods if m != "torch" or found.get(base_kind(kind))]
         got, facts[name] = run_checkpoint(name, kind, folder, config, methods, args, tools)
         runs += got
     table, _ = report(runs, facts, floor_kb)
-    print(f"\nfusectl convert CKPT -o OUT/ vs cp -r of that output && sync vs the framework's tool; "
-          f"{args.repeat} rounds, rotating order, sync before each run, warm page cache; "
-          f"{os.cpu_count()} CPUs, {platform.platform()}; {version}\n")
-    print(table)
-    total = time.perf_counter() - started
-    print(f"\ntotal benchmark time: {total:.0f} s")
-    if args.json:
-        fuse_bench.write_json(args.json, {
-            "fusectl": fusectl, "fusectl_version": version, "torch_python": args.torch_python,
-            "machine": platform.platform(), "cpus": os.cpu_count(), "repeat": args.repeat,
-            "wrapper_rss_floor_kb": floor_kb, "checkpoints": facts, "runs": runs, "total_s": total,
-            "baseline_scripts": BASELINES})
+    bench_rounds.finish("fusectl convert CKPT -o OUT/ vs cp -r of that output && sync vs the framework's tool",
+                        table, args, started, (fusectl, version, floor_kb),
+                        {"torch_python": args.torch_python, "checkpoints": facts, "runs": runs,
+                         "baseline_scripts": BASELINES})
     return 0
 
 

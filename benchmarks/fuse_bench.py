@@ -255,11 +255,15 @@ def llama_tensors(cfg):
 LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 
 
-def checkpoint_items(cfg, fp8=False):
+ITEMSIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+
+
+def checkpoint_items(cfg, fp8=False, dtype="BF16"):
     """(name, safetensors dtype, shape, nbytes) of the checkpoint, in state_dict() order.
 
-    bf16: every tensor BF16. fp8: each linear weight ``X.weight`` F8_E4M3 [out, in] followed by
-    ``X.weight_scale_inv`` F32 [ceil(out/128), ceil(in/128)]; embeddings, norms, lm_head BF16.
+    bf16 (``dtype`` BF16, or F32 for an fp32 checkpoint): every tensor ``dtype``. fp8: each linear
+    weight ``X.weight`` F8_E4M3 [out, in] followed by ``X.weight_scale_inv`` F32
+    [ceil(out/128), ceil(in/128)]; embeddings, norms, lm_head ``dtype``.
     """
     items = []
     for name, shape in llama_tensors(cfg):
@@ -268,7 +272,7 @@ def checkpoint_items(cfg, fp8=False):
             items += [(name, "F8_E4M3", shape, math.prod(shape)),
                       (name + "_scale_inv", "F32", grid, 4 * math.prod(grid))]
         else:
-            items.append((name, "BF16", shape, 2 * math.prod(shape)))
+            items.append((name, dtype, shape, ITEMSIZE[dtype] * math.prod(shape)))
     return items
 
 
@@ -310,20 +314,19 @@ def write_random(fd, nbytes, rng, dtype="BF16", chunk=32 << 20):
         left -= n
 
 
-def generate_checkpoint(folder, cfg, shard_bytes, seed, fp8=False):
-    """Write a Hugging Face-layout sharded Llama checkpoint (bf16, or block-FP8 with ``fp8``)
-    to ``folder`` (streamed)."""
+def generate_checkpoint(folder, cfg, shard_bytes, seed, fp8=False, dtype="BF16"):
+    """Write a Hugging Face-layout sharded Llama checkpoint (bf16 or ``dtype`` F32, or block-FP8
+    with ``fp8``) to ``folder`` (streamed)."""
     os.makedirs(folder)
     rng = np.random.default_rng(seed)
-    items = checkpoint_items(cfg, fp8)
+    items = checkpoint_items(cfg, fp8, dtype)
     shards = pack_shards(items, shard_bytes)
     files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     weight_map = {}
-    itemsize = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
     for file, shard in zip(files, shards):
         # safetensors (and so save_pretrained) lays a file out by dtype, widest first, and
         # sorted by name within a dtype
-        shard = sorted(shard, key=lambda item: (-itemsize[item[1]], item[0]))
+        shard = sorted(shard, key=lambda item: (-ITEMSIZE[item[1]], item[0]))
         blob = header_blob([(n, d, s, b) for n, d, s, b in shard], {"format": "pt"})
         fd = os.open(os.path.join(folder, file), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -341,7 +344,8 @@ def generate_checkpoint(folder, cfg, shard_bytes, seed, fp8=False):
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         **cfg,
         "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "float32" if dtype == "F32" else "bfloat16",
         "attention_bias": False, "mlp_bias": False,
     }
     if fp8:

@@ -168,8 +168,8 @@ def load_rulesets(checkpoint: Checkpoint, rules: Sequence[str]) -> list[RuleSet]
 
 def _load_with_origins(checkpoint: Checkpoint, rules: Sequence[str]) -> list[tuple[RuleSet, RuleOrigin]]:
     """Each rules file loaded, with the text and config values its provenance records; its
-    ``bn_fold`` rules given what an MXNet checkpoint's symbol says (``rules.mxnet_facts``)."""
-    from .rules.mxnet_facts import with_checkpoint_facts
+    ``bn_fold`` rules given what an MXNet checkpoint's symbol says (``mxnet_facts``)."""
+    from .mxnet_facts import with_checkpoint_facts
     from .rules.origin import load_recorded_rules
 
     loaded = [load_recorded_rules(os.fspath(r), checkpoint.config) for r in rules]

@@ -80,7 +80,7 @@ class InspectReport:
         lines = [f"{self.path}: {self.format}, {len(self.files)} file(s), {summary['unique_count']} unique "
                  f"parameters, {human(summary['total_bytes'])}"]
         if self.distributed is not None:
-            lines.append("written by " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.distributed.items()))
+            lines.extend(_distributed_lines(self.distributed))
         if self.state_dict_key is not None:
             lines.append(f"state dict: {printable(self.state_dict_key)} (pass {option_name('key')} to choose another)")
         if self.ignored:
@@ -214,3 +214,33 @@ def _optimizer_text(o: dict) -> list[str]:
     if o["problem"]:
         lines.append(f"  not mapped to its parameters: {printable(o['problem'])}")
     return lines
+
+
+def _distributed_lines(distributed: dict) -> list[str]:
+    """How ``inspect`` says who wrote a checkpoint of many ranks: the sizes on one line, the
+    parallel kinds counted, the accounting of every element.
+
+    >>> lines = _distributed_lines({"tp": 2, "parallel": {"a": "row", "b": "row", "c": "column"},
+    ...     "accounted": {"source_tensors": 4, "source_elements": 96, "source_copies": 1, "output_tensors": 2,
+    ...                   "output_elements": 96, "output_copies": 0}})
+    >>> lines[:2]
+    ['written by tp 2', 'parallel kinds: row 2, column 1']
+    >>> lines[2][:72]
+    'every element accounted for: 4 rank tensor(s), 96 element(s), each taken'
+    """
+    plain = {k: v for k, v in distributed.items() if k not in ("parallel", "accounted")}
+    lines = ["written by " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in plain.items())]
+    kinds = distributed.get("parallel")
+    if isinstance(kinds, dict):
+        counts: dict[str, int] = {}
+        for kind in kinds.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        lines.append("parallel kinds: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
+    a = distributed.get("accounted")
+    if isinstance(a, dict):
+        lines.append(f"every element accounted for: {a['source_tensors']} rank tensor(s), {a['source_elements']} "
+                     f"element(s), each taken once ({a['source_copies']} copy(ies) — of replicated tensors, of a "
+                     f"tied head — compared with the one kept), make {a['output_tensors']} tensor(s) of "
+                     f"{a['output_elements']} element(s)")
+    return lines
+

@@ -7,8 +7,10 @@ An import may point only DOWN this list (a module may import its own level):
 3. ops/*
 4. steps
 5. rules/*, io/*, executor, followers/*; acyclic among themselves, io never imports onnx, and
-   followers never import io (io detects the followers of the checkpoint it opens)
-6. planner, write, checkpoint_map, twins, key_order
+   followers never import io (io detects the followers of the checkpoint it opens); io may use
+   the rule language (name patterns, parallel layouts), rules never read files
+6. planner, write, checkpoint_map, twins, key_order, mxnet_facts (rules given what an MXNet
+   checkpoint's symbol says: it reads io so that rules never do)
 7. onnx/*, verification/* (verification may import onnx, never the reverse)
 8. api, inspection, reports, training_output, trainer_output
 9. cli, __init__, __main__
@@ -40,7 +42,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     3: ("ops", "ops.*"),
     4: ("steps",),
     5: ("rules", "rules.*", "io", "io.*", "executor", "followers", "followers.*"),
-    6: ("planner", "write", "checkpoint_map", "twins", "key_order"),
+    6: ("planner", "write", "checkpoint_map", "twins", "key_order", "mxnet_facts"),
     7: ("onnx", "onnx.*", "verification", "verification.*"),
     8: ("api", "inspection", "reports", "training_output", "trainer_output"),
     9: ("cli", "", "__main__"),
@@ -51,6 +53,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("io*", "onnx*", "io must not read ONNX through onnx/ (io is level 5, onnx 7)"),
     ("onnx*", "verification*", "verification may import onnx, never the reverse"),
     ("followers*", "io*", "io detects the followers of the checkpoint it opens; followers never read files"),
+    ("rules*", "io*", "io may use the rule language (name patterns, parallel layouts); rules never read files"),
 )
 
 def modules() -> dict[str, Path]:

@@ -1,7 +1,9 @@
 """io/formats/megatron: Megatron-LM legacy checkpoints read as one TP=1 PP=1 EP=1 checkpoint, without torch.
 
 Against megatron-core's own result: ``fixtures/generate_megatron.py`` trained tiny GPTs with
-megatron-core 0.16.1 and saved them at TP=2, TP=2 x PP=2, tied, MoE at EP=2 and at TP=2; it also
+megatron-core 0.16.1 and saved them at TP=2, TP=2 x PP=2, tied at TP=2 and at TP=2 x PP=2 (whose
+last stage keeps a copy of the embedding as its head: checked equal, read as the one tensor the
+TP=1 model has), MoE at EP=2 and at TP=2; it also
 had megatron-core gather the full parameters into a TP=1 model (``reference/NAME-full.safetensors``).
 ``convert`` of each folder gives those tensors bitwise, names included; the joined optimizer
 moments give back each rank's own moments under the documented split rule (the rule written
@@ -34,7 +36,7 @@ from fusectl.io.registry import folder_format
 
 MEGATRON = FIXTURES / "megatron"
 ITER = "iter_0000010"
-NAMES = ["gpt-tp2", "gpt-tp2-pp2", "tied-tp2", "moe-ep2", "moe-tp2"]
+NAMES = ["gpt-tp2", "gpt-tp2-pp2", "tied-tp2", "tied-tp2-pp2", "moe-ep2", "moe-tp2"]
 
 
 def reference(name: str) -> dict[str, bytes]:
@@ -61,7 +63,7 @@ def test_the_iteration_folder_reads_as_its_save_folder_in_megatrons_module_order
     assert top.files[0].endswith("latest_checkpointed_iteration.txt") and inner.files == top.files[1:]
     order = list(top.tensors)
     assert order[0] == "embedding.word_embeddings.weight"
-    assert order[-1] == ("decoder.final_layernorm.weight" if name == "tied-tp2" else "output_layer.weight")
+    assert order[-1] == ("decoder.final_layernorm.weight" if name.startswith("tied") else "output_layer.weight")
     layers = [int(n.split(".")[2]) for n in order if n.startswith("decoder.layers.")]
     assert layers == sorted(layers)
     experts = [int(m.group(1)) for m in map(re.compile(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.([0-9]+)"
@@ -367,3 +369,110 @@ def test_a_folder_saved_without_an_optimizer_holds_none(hostile, tmp_path):
         edit(rank(folder, r), rb"X\t\x00\x00\x00optimizer", b"X\t\x00\x00\x00optimizex")
     contents = read_megatron(str(folder))
     assert contents.training.optimizer_key is None and contents.optimizer is None
+
+
+# ------------------------------------------------------------------------------- tied at PP > 1
+
+TIED_PP2 = MEGATRON / "tied-tp2-pp2-legacy"
+
+
+def head_copy(folder: Path, name: str = "mp_rank_01_001"):
+    """The last stage's ``output_layer.weight`` of a TP rank, as megatron wrote it."""
+    tree, _ = read_torch_tree(str(rank(folder, name)), records=RECORDS)
+    return tree["model"]["output_layer.weight"]
+
+
+def test_a_tied_head_on_the_last_stage_is_read_as_the_embedding_it_copies():
+    contents = read_megatron(str(TIED_PP2))
+    assert "output_layer.weight" not in contents.tensors and "output_layer.weight" not in contents.order
+    assert contents.distributed["tied_head_copy"] == "output_layer.weight"
+    assert "output_layer.weight" not in contents.distributed["parallel"]
+    embedding = contents.tensors["embedding.word_embeddings.weight"].read()
+    for tp, name in enumerate(["mp_rank_00_001", "mp_rank_01_001"]):  # megatron wrote the copy: equal
+        assert head_copy(TIED_PP2, name).read().tobytes() == embedding[32 * tp:32 * (tp + 1)].tobytes()
+    optimizer = contents.training.tree()["optimizer"]
+    names = [n for g in optimizer["param_groups"] for n in g["param_names"]]
+    assert sorted(names) == sorted(contents.tensors)  # the copy's moments went with it
+    assert len(optimizer["state"]) == len(contents.tensors)
+
+
+def test_tied_pp2_inspect_names_the_head_copy(tmp_path):
+    report = json.loads(ok(run_cli("inspect", "--json", TIED_PP2)).stdout)
+    assert report["distributed"]["tied_head_copy"] == "output_layer.weight"
+    assert report["distributed"]["pp"] == 2 and report["distributed"]["world_size"] == 4
+    assert "output_layer.weight" not in {p["name"] for p in report["parameters"]}
+    assert "tied_head_copy" not in json.loads(ok(run_cli("inspect", "--json", MEGATRON / "gpt-tp2-pp2-legacy")).stdout)[
+        "distributed"]
+
+
+def test_tied_pp2_rewritten_at_its_parallelism_equals_megatrons_rank_files(tmp_path):
+    from test_megatron_writer import assert_same_ranks
+
+    out = tmp_path / "out"
+    ok(run_cli("convert", TIED_PP2, "--to", "megatron", "--tp", "2", "--pp", "2", "--drop-optimizer", "-o", out))
+    assert_same_ranks(out, TIED_PP2)
+
+
+def test_tied_pp2_fused_to_llama_is_the_reference_fused(tmp_path):
+    config = MEGATRON / "hf-config" / "tied" / "config.json"
+    src = tmp_path / "tied-tp2-pp2-full.safetensors"
+    shutil.copy2(MEGATRON / "reference" / src.name, src)
+    ok(run_cli("fuse", TIED_PP2, "-r", "megatron-gpt-to-llama", "--config", config, "-o", tmp_path / "ranks"))
+    ok(run_cli("fuse", src, "-r", "megatron-gpt-to-llama", "--config", config, "-o", tmp_path / "ref"))
+    mine = read_safetensors(str(tmp_path / "ranks" / "model.safetensors")).tensors
+    ref = read_safetensors(str(tmp_path / "ref" / "model.safetensors")).tensors
+    assert sorted(mine) == sorted(ref) and "lm_head.weight" not in mine and "model.embed_tokens.weight" in mine
+    for name, tensor in ref.items():
+        assert mine[name].read().tobytes() == tensor.read().tobytes(), name
+
+
+def test_tied_pp2_fused_to_llama_computes_megatrons_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = MEGATRON / "hf-config" / "tied" / "config.json"
+    out = tmp_path / "hf"
+    ok(run_cli("fuse", TIED_PP2, "-r", "megatron-gpt-to-llama", "--config", config, "-o", out))
+    shutil.copy2(config, out / "config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    reference = np.load(MEGATRON / "reference" / "tied-tp2-pp2.npz")
+    with torch.no_grad():
+        logits = model(torch.from_numpy(reference["input_ids"])).logits.numpy()
+    assert np.abs(logits - reference["logits"]).max() <= 1e-5  # megatron's own forward at TP=2 x PP=2
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def spoil_head(folder: Path, name: str = "mp_rank_01_001", row: int = 5) -> None:
+    """Change one float of a row of the last stage's head copy, in place (the zip is stored)."""
+    byte = head_copy(folder, name).byte_ranges()[0]
+    with open(byte.path, "r+b") as f:
+        f.seek(byte.offset + row * 16 * 4)
+        value = f.read(4)
+        f.seek(byte.offset + row * 16 * 4)
+        f.write(bytes([value[0] ^ 1]) + value[1:])
+
+
+def test_a_last_stage_head_that_differs_from_the_embedding_is_refused(hostile):
+    folder = hostile.copy("tied-tp2-pp2")
+    spoil_head(folder)
+    stderr = hostile.refused(folder, str(rank(folder, "mp_rank_01_001")), "output_layer.weight", "differs",
+                             "embedding.word_embeddings.weight", "row 5")
+    assert "mp_rank_01_000" in stderr
+
+
+def test_a_last_stage_head_of_another_shape_is_refused(hostile):
+    folder = hostile.copy("tied-tp2-pp2")
+    for name in ("mp_rank_00_001", "mp_rank_01_001"):
+        edit(rank(folder, name), rb"(output_layer\.weight.{0,40}?)" + re.escape(b"K K\x10\x86"), b"K\x10K\x20\x86")
+    hostile.refused(folder, "output_layer.weight", "F32[16, 32]", "embedding.word_embeddings.weight")
+
+
+def test_a_tied_head_without_an_embedding_is_refused(hostile):
+    folder = hostile.copy("tied-tp2-pp2")
+    for name in ("mp_rank_00_000", "mp_rank_01_000"):
+        edit(rank(folder, name), rb"embedding\.word_embeddings\.weight", b"embeddinx.word_embeddings.weight")
+    hostile.refused(folder, "output_layer.weight", "no stage holds")
+
+
+def test_an_untied_save_at_pp2_keeps_its_head():
+    contents = read_megatron(str(MEGATRON / "gpt-tp2-pp2-legacy"))
+    assert "output_layer.weight" in contents.tensors and "tied_head_copy" not in contents.distributed

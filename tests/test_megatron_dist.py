@@ -2,7 +2,9 @@
 
 fixtures/megatron/gpt-tp2-torch_dist is the TP=2 model megatron-core 0.16.1 saved with
 ``dist_checkpointing.save`` (fixtures/generate_megatron.py); reference/gpt-tp2-full.safetensors
-holds what megatron-core's own ``dist_checkpointing.load`` put into a TP=1 model of it.
+holds what megatron-core's own ``dist_checkpointing.load`` put into a TP=1 model of it. Likewise
+moe-ep2-torch_dist (MoE, EP=2: experts stacked over layers and experts) and tied-tp2-pp2-torch_dist
+(tied at TP=2 x PP=2: the last stage's head copy saved as a replica of the embedding).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import FIXTURES, ok, refused, run_cli, snapshot
 from test_megatron import edit, reference
 from fusectl.errors import CheckpointError
+from fusectl.io.formats.megatron import read_megatron
 from fusectl.io.formats.megatron_dist import read_megatron_dist
 from fusectl.io.formats.safetensors_file import read_safetensors
 from fusectl.io.registry import folder_format
@@ -26,13 +30,19 @@ MEGATRON = FIXTURES / "megatron"
 SAVE = MEGATRON / "gpt-tp2-torch_dist"
 ITER = SAVE / "iter_0000010"
 LLAMA = MEGATRON / "hf-config" / "llama" / "config.json"
+MOE = MEGATRON / "moe-ep2-torch_dist"
+TIED_PP2 = MEGATRON / "tied-tp2-pp2-torch_dist"
+# torch_dist folder → (its reference, preset, hf-config)
+SAVES = {SAVE: ("gpt-tp2", "megatron-gpt-to-llama", "llama"), MOE: ("moe-ep2", "megatron-moe-to-mixtral", "mixtral"),
+         TIED_PP2: ("tied-tp2-pp2", "megatron-gpt-to-llama", "tied")}
 
 
-def test_convert_gives_megatrons_own_tp1_tensors_bitwise(tmp_path):
+@pytest.mark.parametrize("save", SAVES, ids=lambda p: p.name)
+def test_convert_gives_megatrons_own_tp1_tensors_bitwise(tmp_path, save):
     out = tmp_path / "out"
-    ok(run_cli("convert", SAVE, "-o", f"{out}/"))
+    ok(run_cli("convert", save, "-o", f"{out}/"))
     written = read_safetensors(str(out / "model.safetensors")).tensors
-    expected = reference("gpt-tp2")
+    expected = reference(SAVES[save][0])
     assert sorted(written) == sorted(expected)
     for key, data in expected.items():
         assert written[key].read().tobytes() == data, key
@@ -80,16 +90,71 @@ def test_inspect_json_says_the_format_and_the_parallelism():
     assert {p["name"]: p["shape"] for p in report["parameters"]}["decoder.layers.1.mlp.linear_fc1.weight"] == [64, 16]
 
 
-def test_fuse_to_llama_gives_what_the_reference_gives(tmp_path):
-    src = tmp_path / "gpt-tp2-full.safetensors"
+@pytest.mark.parametrize("save", SAVES, ids=lambda p: p.name)
+def test_fuse_with_its_preset_gives_what_the_reference_gives(tmp_path, save):
+    name, preset, config = SAVES[save]
+    config = MEGATRON / "hf-config" / config / "config.json"
+    src = tmp_path / f"{name}-full.safetensors"
     shutil.copy2(MEGATRON / "reference" / src.name, src)
-    ok(run_cli("fuse", SAVE, "-r", "megatron-gpt-to-llama", "--config", LLAMA, "-o", tmp_path / "dist"))
-    ok(run_cli("fuse", src, "-r", "megatron-gpt-to-llama", "--config", LLAMA, "-o", tmp_path / "ref"))
+    ok(run_cli("fuse", save, "-r", preset, "--config", config, "-o", tmp_path / "dist"))
+    ok(run_cli("fuse", src, "-r", preset, "--config", config, "-o", tmp_path / "ref"))
     dist = read_safetensors(str(tmp_path / "dist" / "model.safetensors")).tensors
     ref = read_safetensors(str(tmp_path / "ref" / "model.safetensors")).tensors
     assert sorted(dist) == sorted(ref) and "model.layers.1.self_attn.k_proj.weight" in dist
+    assert ("lm_head.weight" in dist) is (save != TIED_PP2)
     for name, tensor in ref.items():
         assert dist[name].read().tobytes() == tensor.read().tobytes(), name
+
+
+@pytest.mark.parametrize("save", [MOE, TIED_PP2], ids=lambda p: p.name)
+def test_fused_with_its_preset_transformers_computes_megatrons_logits(tmp_path, save):
+    """From megatron-core's torch_dist files to a Hugging Face folder in one ``fuse``:
+    transformers' logits against megatron-core's own forward at the parallelism it saved."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    name, preset, config = SAVES[save]
+    config = MEGATRON / "hf-config" / config / "config.json"
+    out = tmp_path / "hf"
+    ok(run_cli("fuse", save, "-r", preset, "--config", config, "-o", out))
+    shutil.copy2(config, out / "config.json")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    reference = np.load(MEGATRON / "reference" / f"{name}.npz")
+    with torch.no_grad():
+        logits = model.eval()(torch.from_numpy(reference["input_ids"])).logits.numpy()
+    assert np.abs(logits - reference["logits"]).max() <= 1e-5
+
+
+def test_moe_experts_unstack_into_megatrons_local_experts_in_module_order():
+    contents = read_megatron_dist(str(MOE))
+    assert list(contents.tensors) == list(read_megatron(str(MEGATRON / "moe-ep2-legacy")).tensors)
+    layer = [n.split(".", 3)[3] for n in contents.tensors if n.startswith("decoder.layers.1.")]
+    assert layer[:5] == ["input_layernorm.weight", "self_attention.linear_proj.weight",
+                         "self_attention.linear_qkv.weight", "pre_mlp_layernorm.weight", "mlp.router.weight"]
+    assert layer[5:] == [f"mlp.experts.local_experts.{e}.linear_fc{i}.weight" for e in range(4) for i in (1, 2)]
+    assert not any(".experts.experts." in n for n in contents.tensors)
+    # an expert of a layer is file ranges: fc1 its gate chunk and its up chunk, fc2 one chunk
+    fc1 = contents.tensors["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].byte_ranges()
+    assert [r.length for r in fc1] == [32 * 16 * 4] * 2
+    fc2 = contents.tensors["decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight"].byte_ranges()
+    assert [r.length for r in fc2] == [16 * 32 * 4]
+    assert sum("experts.experts.linear_fc" in n and "_extra_state" in n for n in contents.ignored) == 16
+
+
+def test_moe_inspect_json_says_ep2():
+    report = json.loads(ok(run_cli("inspect", "--json", MOE)).stdout)
+    assert report["format"] == "megatron-torch_dist"
+    assert report["distributed"] == {"tp": 1, "pp": 1, "ep": 2, "num_layers": 2, "iteration": 10, "world_size": 2}
+    shapes = {p["name"]: p["shape"] for p in report["parameters"]}
+    assert shapes["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"] == [64, 16]
+    assert shapes["decoder.layers.0.mlp.router.weight"] == [4, 16]
+
+
+def test_a_tied_save_at_pp2_holds_one_embedding():
+    contents = read_megatron_dist(str(TIED_PP2))
+    assert "output_layer.weight" not in contents.tensors
+    assert list(contents.tensors) == list(read_megatron(str(MEGATRON / "tied-tp2-pp2-legacy")).tensors)
+    assert contents.distributed["pp"] == 2 and contents.distributed["world_size"] == 4
 
 
 def test_the_folders_are_recognised_before_dcp_and_legacy():
@@ -144,6 +209,48 @@ def test_stacked_moe_experts_are_refused_by_name(spoilt):
     metadata = spoilt.inner / ".metadata"
     metadata.write_bytes(metadata.read_bytes().replace(b"mlp.linear_fc2", b"mlp.experts.f2"))
     spoilt.refused("decoder.layers.mlp.experts.f2.weight", "MoE experts")
+
+
+@pytest.fixture
+def spoilt_moe(tmp_path):
+    """A copy of the MoE torch_dist save to spoil."""
+    folder = tmp_path / "in" / MOE.name
+    shutil.copytree(MOE, folder)
+    return folder
+
+
+def refused_moe(tmp_path, folder: Path, *needles: str) -> str:
+    before = snapshot(tmp_path / "in")
+    target = tmp_path / "out"
+    result = run_cli("convert", folder, "-o", f"{target}/")
+    refused(result, *needles, unwritten=[target])
+    assert snapshot(tmp_path / "in") == before
+    return result.stderr
+
+
+def test_an_expert_chunk_missing_is_refused_naming_the_key(spoilt_moe, tmp_path):
+    metadata = spoilt_moe / "iter_0000010" / ".metadata"
+    raw = metadata.read_bytes()  # layer 1's expert 3: its gate chunk said to be expert 2's (3 is left a hole)
+    metadata.write_bytes(raw.replace(b"(K\x01K\x03K\x00K\x00t", b"(K\x01K\x02K\x00K\x00t", 1))
+    refused_moe(tmp_path, spoilt_moe, "decoder.layers.mlp.experts.experts.linear_fc1.weight")
+
+
+def test_stacked_experts_that_disagree_with_num_experts_are_refused(spoilt_moe, tmp_path):
+    edit(spoilt_moe / "iter_0000010" / "common.pt", rb"(num_expertsq.)K\x04", b"K\x02")
+    refused_moe(tmp_path, spoilt_moe, "decoder.layers.mlp.experts.experts.linear_fc1.weight", "2 experts",
+                "args.num_experts")
+
+
+def test_experts_stacked_under_an_unknown_name_are_refused_naming_it(spoilt_moe, tmp_path):
+    metadata = spoilt_moe / "iter_0000010" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes().replace(b"experts.experts.linear_fc2", b"experts.expertz.linear_fc2"))
+    refused_moe(tmp_path, spoilt_moe, "decoder.layers.mlp.experts.expertz.linear_fc2.weight", "MoE experts",
+                "legacy format")
+
+
+def test_stacked_experts_without_num_experts_in_args_are_refused(spoilt_moe, tmp_path):
+    edit(spoilt_moe / "iter_0000010" / "common.pt", rb"(num_expertsq.)K\x04", b"N")
+    refused_moe(tmp_path, spoilt_moe, "decoder.layers.mlp.experts.experts.linear_fc1.weight", "no experts")
 
 
 @pytest.mark.parametrize("missing", ["metadata.json", "common.pt"])

@@ -1,8 +1,9 @@
 """fixtures/megatron: the Megatron-LM checkpoints megatron-core 0.16.1 made on CPU, checked without torch.
 
 ``fixtures/generate_megatron.py`` (its docstring states the layouts) trained a tiny Llama-style
-GPT with megatron-core and saved it at TP=2, TP=2 x PP=2, MoE at EP=2 and TP=2 and tied, legacy
-(``model_optim_rng.pt`` per rank) and, at TP=2, torch_dist; megatron-core itself gathered the
+GPT with megatron-core and saved it at TP=2, TP=2 x PP=2, MoE at EP=2 and TP=2, tied at TP=2 and at
+TP=2 x PP=2, legacy (``model_optim_rng.pt`` per rank) and torch_dist (gpt-tp2, moe-ep2,
+tied-tp2-pp2); megatron-core itself gathered the
 full parameters (``reference/NAME-full.safetensors``). Here fusectl's own torch-free readers
 check that the committed files are what that docstring says: every rank file there and no
 other, the pickles read through the allow-list with Megatron's extra classes as records, each
@@ -45,6 +46,7 @@ RANKS = {
     "moe-ep2": ["mp_rank_00_000", "mp_rank_00_001"],
     "moe-tp2": ["mp_rank_00", "mp_rank_01"],
     "tied-tp2": ["mp_rank_00", "mp_rank_01"],
+    "tied-tp2-pp2": ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"],
 }
 TOP = ["args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
        "rng_state", "num_floating_point_operations_so_far"]
@@ -142,6 +144,33 @@ def test_pp2_stages_number_their_layers_from_zero():
                 np.testing.assert_array_equal(piece, tp_piece(key, whole[key], tp, 2), err_msg=local)
 
 
+def test_a_tied_pp2_last_stage_holds_a_copy_of_the_embedding_as_its_head():
+    whole = full("tied-tp2-pp2")
+    assert "output_layer.weight" not in whole  # the TP=1 model's head reads the embedding
+    for tp in range(2):
+        first = tensors(rank_file("tied-tp2-pp2", f"mp_rank_{tp:02d}_000"))
+        last = tensors(rank_file("tied-tp2-pp2", f"mp_rank_{tp:02d}_001"))
+        assert "output_layer.weight" not in first and "embedding.word_embeddings.weight" not in last
+        piece = tp_piece("embedding.word_embeddings.weight", whole["embedding.word_embeddings.weight"], tp, 2)
+        np.testing.assert_array_equal(first["embedding.word_embeddings.weight"], piece)
+        np.testing.assert_array_equal(last["output_layer.weight"], piece)
+
+
+def test_torch_dist_moe_stacks_experts_over_layers_and_experts():
+    folder = MEGATRON / "moe-ep2-torch_dist" / ITER
+    meta = read_pickle((folder / ".metadata").read_bytes(), str(folder / ".metadata"), PLANS)
+    entries = meta.field("state_dict_metadata")
+    sizes = {k: tuple(v.field("size")) for k, v in entries.items() if v.field("size") is not None}
+    assert sizes["decoder.layers.mlp.router.weight"] == (2, 4, 16)
+    assert sizes["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, 4, 64, 16)
+    assert sizes["decoder.layers.mlp.experts.experts.linear_fc2.weight"] == (2, 4, 16, 32)
+    fc1 = sorted(tuple(c.field("offsets")) for c in
+                 entries["decoder.layers.mlp.experts.experts.linear_fc1.weight"].field("chunks"))
+    assert fc1 == [(layer, e, row, 0) for layer in range(2) for e in range(4) for row in (0, 32)]
+    tied = read_pickle((MEGATRON / "tied-tp2-pp2-torch_dist" / ITER / ".metadata").read_bytes(), "tied", PLANS)
+    assert "output_layer.weight" not in tied.field("state_dict_metadata")
+
+
 def test_ep2_ranks_hold_their_experts_numbered_from_zero():
     whole = full("moe-ep2")
     for ep, rank in enumerate(RANKS["moe-ep2"]):
@@ -213,4 +242,4 @@ def test_references_agree_within_the_issues_bounds(name):
 
 
 def test_everything_stays_small():
-    assert sum(p.stat().st_size for p in MEGATRON.rglob("*") if p.is_file()) < 2_000_000
+    assert sum(p.stat().st_size for p in MEGATRON.rglob("*") if p.is_file()) < 3_000_000

@@ -31,7 +31,8 @@ from fusectl.tensors import ArrayTensor, LazyTensor, TensorSpec
 
 MEGATRON = FIXTURES / "megatron"
 CONFIG = MEGATRON / "hf-config" / "llama" / "config.json"
-PARALLEL = {"gpt-tp2-legacy": (2, 1), "gpt-tp2-pp2-legacy": (2, 2), "tied-tp2-legacy": (2, 1)}
+PARALLEL = {"gpt-tp2-legacy": (2, 1), "gpt-tp2-pp2-legacy": (2, 2), "tied-tp2-legacy": (2, 1),
+            "tied-tp2-pp2-legacy": (2, 2)}
 
 
 def rank_files(folder) -> dict[str, dict]:
@@ -82,7 +83,7 @@ def test_each_ranks_optimizer_written_at_its_own_parallelism_equals_megatrons(cl
     assert list(tree) == ["args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler"]
 
 
-@pytest.mark.parametrize("variant", ["gpt-tp2-legacy", "gpt-tp2-pp2-legacy", "tied-tp2-legacy"])
+@pytest.mark.parametrize("variant", sorted(PARALLEL))
 def test_tp_and_pp_round_trips_through_one_rank_are_bitwise_with_the_optimizer(cli, tmp_path, variant):
     """TP=2 (×PP=2) → TP=1 PP=1 → back: megatron's own rank files, optimizer and scheduler included;
     the TP=1 rank's optimizer is the reader's whole one (ids in megatron-core's group order)."""

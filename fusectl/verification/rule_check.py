@@ -11,7 +11,7 @@ from ..errors import FusectlError, RuleError, option, printable, quote
 from ..executor import apply_group
 from ..io.checkpoint import Checkpoint
 from ..planner import bind_rule
-from ..rules.mxnet_facts import with_checkpoint_facts
+from ..mxnet_facts import with_checkpoint_facts
 from ..rules.origin import load_origin
 from ..rules.presets import preset_names, preset_text
 from ..rules.schema import load_rules

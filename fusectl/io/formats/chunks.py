@@ -104,3 +104,38 @@ def rows(tensor: LazyTensor, start: int, count: int, where: str, how: str) -> Ra
             out.append(ByteRange(r.path, r.offset + a - at, b - a))
         at += r.length
     return RangesTensor(TensorSpec(tensor.spec.dtype, (count, *tensor.spec.shape[1:])), tuple(out))
+
+
+def cut(tensor: LazyTensor, axis: int, start: int, count: int) -> LazyTensor:
+    """Indices ``start`` … ``start + count`` of ``tensor`` along ``axis``: file ranges for rows
+    of a tensor stored as plain bytes (:func:`rows`), else a :class:`Slice` cut when read.
+
+    >>> from fusectl.tensors import ArrayTensor
+    >>> from fusectl.dtypes import from_numpy
+    >>> w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    >>> cut(ArrayTensor(TensorSpec(from_numpy(w.dtype, "w"), (2, 3)), w), 1, 1, 2).read().tolist()
+    [[1.0, 2.0], [4.0, 5.0]]
+    """
+    if start == 0 and count == tensor.spec.shape[axis]:
+        return tensor
+    if axis == 0 and tensor.byte_ranges() is not None:
+        return rows(tensor, start, count, "", "")
+    shape = tuple(count if i == axis else n for i, n in enumerate(tensor.spec.shape))
+    return Slice(TensorSpec(tensor.spec.dtype, shape), tensor, axis, start)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Slice(LazyTensor):
+    """Indices ``start`` … of ``source`` along ``axis`` (``spec`` gives the count): cut when read."""
+
+    spec: TensorSpec
+    source: LazyTensor
+    axis: int
+    start: int
+
+    def read(self) -> np.ndarray:
+        """The slice, as a fresh C-ordered array."""
+        index = [slice(None)] * len(self.spec.shape)
+        index[self.axis] = slice(self.start, self.start + self.spec.shape[self.axis])
+        return np.ascontiguousarray(self.source.read()[tuple(index)])
+

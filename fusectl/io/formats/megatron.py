@@ -28,6 +28,11 @@ megatron-core 0.16.1 (``fixtures/generate_megatron.py`` states and checks them):
   the dense part is the same on every EP rank (the first one's is kept);
 - ``_extra_state`` entries (None without Transformer Engine) are left out, named in
   ``ignored``.
+- tied embeddings (``args.untie_embeddings_and_output_weights`` false) at PP > 1: the last
+  stage has no embedding, so megatron-core keeps a copy of it there as ``output_layer.weight``
+  (its gradient all-reduced with the embedding's); the copy is checked bitwise against the
+  embedding, TP rank by TP rank, and left out with its optimizer state (``distributed``
+  names it ``tied_head_copy``): the TP=1 model has one tensor, its head reads the embedding.
 
 Every copy a rule keeps only one of (a replicated tensor on each TP rank, the dense part on
 each EP rank) is checked to have the kept one's shape and dtype, and bitwise equal where it is
@@ -67,7 +72,8 @@ from ..optimizer_state import Training
 from ..provenance import METADATA_KEY
 from ..sniff import MEGATRON_LATEST, MEGATRON_RANK_FOLDER
 from ..untrusted import open_input
-from .chunks import assemble, rows
+from ...rules.parallel import Ledger, shipped_layout
+from .chunks import assemble, cut, rows
 from .torch_file import Record, Records, described, read_torch_tree
 
 # the classes beyond the allow-list a model_optim_rng.pt pickles, read as inert records: the
@@ -91,34 +97,25 @@ _LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _EXPERT = re.compile(r"(.*\.experts\.local_experts\.)([0-9]+)(\..*)")
 _GROUPED_EXPERT = re.compile(r".*\.experts\.linear_fc[12]\.(weight|bias)[0-9]+")
 _NEVER = "Megatron-LM never writes one; the file is corrupt"
+_EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _HOW = "give the folder Megatron-LM's save_checkpoint wrote (or its iter_NNNNNNN folder) as it left it"
 
-# how megatron-core's layers hold a tensor at TP > 1, by the end of its name
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "word_embeddings.weight",
-           "output_layer.weight", "output_layer.bias")
-_FC1 = ("linear_fc1.weight", "linear_fc1.bias")
-_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
-_REPLICATED = ("layernorm.weight", "layernorm.bias", "layer_norm_weight", "layer_norm_bias", "linear_proj.bias",
-               "linear_fc2.bias", "router.weight", "router.expert_bias", "position_embeddings.weight")
+# how megatron-core's layers hold each tensor at TP > 1: the layout file, shared with the writer
+LAYOUT = shipped_layout("megatron-core")
 
 
 def parallel_kind(name: str, swiglu: bool, tp: int) -> str | None:
-    """How megatron-core splits the tensor ``name`` over tensor-parallel ranks: ``"column"``
-    (axis 0), ``"column-swiglu"`` (``[gate_r; up_r]`` per rank), ``"row"`` (axis 1) or
-    ``"replicated"``; at TP=1 any other name is ``"replicated"`` (whole), at TP > 1 None.
+    """How megatron-core splits the tensor ``name`` over tensor-parallel ranks: the kind of its
+    split in :data:`LAYOUT` (``"column"``, ``"column-swiglu"``, ``"row"``, ``"replicated"``); at
+    TP=1 any other name is ``"replicated"`` (whole), at TP > 1 None.
 
     >>> parallel_kind("decoder.layers.0.mlp.linear_fc1.weight", True, 2)
     'column-swiglu'
     """
-    if name.endswith(_FC1):
-        return "column-swiglu" if swiglu else "column"
-    if name.endswith(_COLUMN):
-        return "column"
-    if name.endswith(_ROW):
-        return "row"
-    if name.endswith(_REPLICATED) or tp == 1:
-        return "replicated"
-    return None
+    split = LAYOUT.split_of(name, {"swiglu": swiglu})
+    if split is None:
+        return "replicated" if tp == 1 else None
+    return split.kind
 
 
 # ------------------------------------------------------------------------------- the folder
@@ -399,40 +396,58 @@ def _disagree(path: str, first: str, names: Sequence[str], expected: Sequence[st
                            "the ranks disagree — the folder mixes two saves")
 
 
-def join(kind: str, name: str, parts: Sequence[tuple[str, LazyTensor]]) -> LazyTensor:
+def join(kind: str, name: str, parts: Sequence[tuple[str, str, LazyTensor]], ledger: Ledger) -> LazyTensor:
     """The whole tensor ``name`` of ``kind`` (:func:`parallel_kind`) from each TP rank's piece
-    ``(file, tensor)``, in rank order.
+    ``(file, local name, tensor)``, in rank order, by the split :data:`LAYOUT` declares; each
+    piece's slices recorded in ``ledger``.
 
-    :raises CheckpointError: pieces that differ in shape or dtype, a SwiGLU ``linear_fc1`` with
-        an odd number of rows, a row-parallel piece that is not 2-D, naming the file.
+    :raises CheckpointError: pieces that differ in shape or dtype, or that the split cannot cut
+        (too few dimensions, an axis that is not whole parts), naming the file.
     """
-    path0, t0 = parts[0]
-    for path, t in parts[1:]:
+    path0, _, t0 = parts[0]
+    for path, _, t in parts[1:]:
         if t.spec.shape != t0.spec.shape or t.spec.dtype != t0.spec.dtype:
             raise CheckpointError(f"{printable(path)}: {quote(name)} is {t.spec}, but {printable(path0)} holds "
                                   f"{t0.spec}; the tensor-parallel ranks disagree on its shape — the folder mixes "
                                   "two saves")
-    shape, tp = t0.spec.shape, len(parts)
-    if kind == "replicated" or tp == 1:
+    shape, tp, split = t0.spec.shape, len(parts), LAYOUT.kind(kind)
+    axis = None if split.replicated or tp == 1 else split.axis
+    if axis is not None and (axis >= len(shape) or shape[axis] % split.parts):
+        raise CheckpointError(f"{printable(path0)}: {quote(name)} is {t0.spec}; a {kind} tensor's axis {axis} holds "
+                              f"{split.parts} equal part(s) on each rank ({LAYOUT.source}) — the file is corrupt")
+    whole = shape if axis is None else tuple(n * tp if i == axis else n for i, n in enumerate(shape))
+    ledger.output(name, whole, axis)
+    if axis is None:
+        ledger.source(_key(path0, parts[0][1]), shape, None)
+        ledger.take(_key(path0, parts[0][1]), 0, name, 0, 1)
         return t0
-    if kind == "row":
-        if len(shape) != 2:
-            raise CheckpointError(f"{printable(path0)}: {quote(name)} is {t0.spec}; a row-parallel weight is 2-D")
-        spec = TensorSpec(t0.spec.dtype, (shape[0], shape[1] * tp))
-        return assemble(spec, [((0, r * shape[1]), t) for r, (_, t) in enumerate(parts)])
-    if not shape:
-        raise CheckpointError(f"{printable(path0)}: {quote(name)} is a 0-d tensor; a column-parallel one has rows")
-    spec = TensorSpec(t0.spec.dtype, (shape[0] * tp, *shape[1:]))
-    if kind == "column":
-        return assemble(spec, [((r * shape[0], *(0,) * (len(shape) - 1)), t) for r, (_, t) in enumerate(parts)])
-    if shape[0] % 2:
-        raise CheckpointError(f"{printable(path0)}: {quote(name)} has {shape[0]} rows; with SwiGLU each rank holds "
-                              "[gate; up], an even number")
-    half = shape[0] // 2
-    rest = (0,) * (len(shape) - 1)
-    pieces = [((r * half, *rest), rows(t, 0, half, printable(path), _NEVER)) for r, (path, t) in enumerate(parts)]
-    pieces += [((tp * half + r * half, *rest), rows(t, half, half, printable(path), _NEVER)) for r, (path, t) in enumerate(parts)]
-    return assemble(spec, pieces)
+    pieces = []
+    for (path, key, t), runs in zip(parts, split.runs(whole[axis], tp)):
+        ledger.source(_key(path, key), shape, axis)
+        for start, at, count in runs:
+            ledger.take(_key(path, key), start, name, at, count)
+            pieces.append((tuple(at if i == axis else 0 for i in range(len(shape))), cut(t, axis, start, count)))
+    ledger.check_output(name, CheckpointError)
+    return assemble(TensorSpec(t0.spec.dtype, whole), pieces)
+
+
+def _key(path: str, name: str) -> str:
+    """How the ledger names a rank's tensor."""
+    return f"{printable(path)}: {name}"
+
+
+def _copies(name: str, entry: _Global, ledger: Ledger) -> list[tuple[str, str, LazyTensor]]:
+    """The piece of ``name`` kept of each TP rank (the first EP rank's), in rank order; every
+    other copy (a replicated tensor on the other TP ranks, the dense part on the other EP ranks)
+    checked equal to the one kept and recorded in ``ledger`` as its copy."""
+    ranks = [entry.copies[t] for t in sorted(entry.copies)]
+    groups = [[c for copies in ranks for c in copies]] if entry.kind == "replicated" else ranks
+    for copies in groups:
+        _check_copies(name, copies)
+        for path, key, tensor in copies[1:]:
+            ledger.source(_key(path, key), tensor.spec.shape, None)
+            ledger.copy(_key(path, key), _key(copies[0][0], copies[0][1]))
+    return [copies[0] for copies in ranks]
 
 
 def _check_copies(name: str, copies: Sequence[tuple[str, str, LazyTensor]]) -> None:
@@ -448,6 +463,49 @@ def _check_copies(name: str, copies: Sequence[tuple[str, str, LazyTensor]]) -> N
         if data is not None and t.read().tobytes() != data.tobytes():
             raise CheckpointError(f"{printable(path)}: {quote(name)} differs from {printable(path0)}'s, although "
                                   "Megatron keeps it whole and equal on every rank; the folder mixes two saves")
+
+
+def _tied_head(par: Parallelism, tensors: dict[str, _Global], order: list[str]) -> str | None:
+    """Take a tied model's head copy out of the model: at PP > 1 the last stage has no
+    embedding, so megatron-core gives it ``output_layer.weight``, a copy of the embedding kept
+    equal by all-reducing their gradients; the TP=1 model has one tensor, the embedding (its
+    head reads it). Each TP rank's copy is checked bitwise against the embedding's piece of the
+    same rank, :data:`_COMPARED_BYTES` at a time; its optimizer state goes with it (the
+    embedding's is kept). Returns the name taken out, or None (untied, PP=1, no copy stored).
+
+    :raises CheckpointError: a copy that differs from the embedding, naming the two files and
+        the first row that differs; a tied save whose stages hold no embedding.
+    """
+    if not par.tied or par.pp == 1 or _OUTPUT not in tensors:
+        return None
+    if _EMBEDDING not in tensors:
+        path = tensors[_OUTPUT].copies[0][0][0]
+        raise CheckpointError(f"{printable(path)}: holds {quote(_OUTPUT)}, the head of a model its args say is tied "
+                              f"(untie_embeddings_and_output_weights false), but no stage holds {quote(_EMBEDDING)}; "
+                              "the folder mixes two saves")
+    for t, copies in sorted(tensors[_OUTPUT].copies.items()):
+        path, _, copy = copies[0]
+        first, _, embedding = tensors[_EMBEDDING].copies[t][0]
+        if copy.spec != embedding.spec:
+            raise CheckpointError(f"{printable(path)}: the tied head copy {quote(_OUTPUT)} is {copy.spec}, but "
+                                  f"{printable(first)}'s {quote(_EMBEDDING)} is {embedding.spec}; the folder mixes "
+                                  "two saves")
+        height = copy.spec.shape[0] if copy.spec.shape else 0
+        step = max(1, _COMPARED_BYTES // max(1, copy.spec.nbytes // max(1, height)))
+        for start in range(0, height, step):
+            count = min(step, copy.spec.shape[0] - start)
+            mine = rows(copy, start, count, printable(path), _NEVER).read()
+            theirs = rows(embedding, start, count, printable(first), _NEVER).read()
+            if mine.tobytes() != theirs.tobytes():
+                differs = next(i for i in range(count) if mine[i].tobytes() != theirs[i].tobytes())
+                raise CheckpointError(
+                    f"{printable(path)}: {quote(_OUTPUT)}, the last stage's copy of the tied embedding, differs from "
+                    f"{quote(_EMBEDDING)} in {printable(first)} (row {start + differs} of TP rank {t}'s piece), "
+                    "although megatron-core keeps the two equal; the checkpoint is of two saves or was edited — "
+                    "save it untied (untie_embeddings_and_output_weights) if the head is its own tensor")
+    del tensors[_OUTPUT]
+    order.remove(_OUTPUT)
+    return _OUTPUT
 
 
 # ------------------------------------------------------------------------------- the optimizer
@@ -518,8 +576,9 @@ def _rank_state(tree: dict, path: str, ep: int) -> tuple[dict[str, dict], dict[s
 
 
 def _optimizer(par: Parallelism, files: dict, trees: dict, tensors: dict[str, _Global], order: list[str],
-               extra_optim: str | None) -> dict:
-    """The TP=1 model's ``optimizer.state_dict()``, moments joined like their parameters.
+               extra_optim: str | None, ledger: Ledger) -> dict:
+    """The TP=1 model's ``optimizer.state_dict()``, moments joined like their parameters (their
+    pieces recorded in ``ledger``; the moments of a copy the model does not keep are not read).
 
     :raises _Unmapped: naming what fusectl cannot map."""
     if extra_optim is not None:
@@ -547,8 +606,8 @@ def _optimizer(par: Parallelism, files: dict, trees: dict, tensors: dict[str, _G
         for k in keys:
             value = rank_states[0][k]
             if isinstance(value, LazyTensor) and value.spec.shape:
-                moments[k] = join(entry.kind, f"{name} ({k})",
-                                  [(path, s[k]) for (path, _, _), s in zip(first, rank_states)])
+                pieces = [(path, f"{key} ({k})", s[k]) for (path, key, _), s in zip(first, rank_states)]
+                moments[k] = join(entry.kind, f"{name} ({k})", pieces, ledger)
             else:
                 moments[k] = value
         path, key, tensor = first[0]
@@ -593,18 +652,18 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
     par, files, trees = _rank_files(folder, check)
     distrib_optim = files.pop("distrib_optim", None)
     tensors, order, extra, _ = _model(par, files, trees)
+    head_copies = tensors[_OUTPUT].copies if _OUTPUT in tensors else {}
+    head = _tied_head(par, tensors, order)
     model: collections.OrderedDict[str, LazyTensor] = collections.OrderedDict()
+    ledger = Ledger()
     for name in order:
         entry = tensors[name]
-        if entry.kind == "replicated":  # one tensor on every rank
-            _check_copies(name, [c for t in sorted(entry.copies) for c in entry.copies[t]])
-        for copies in entry.copies.values():  # one piece on every EP rank
-            _check_copies(name, copies)
         if sorted(entry.copies) != list(range(par.tp)):
             raise CheckpointError(f"{printable(files[(0, 0, 0)])}: {quote(name)} is held by TP ranks "
                                   f"{sorted(entry.copies)} of {par.tp}; the ranks disagree — the folder mixes two "
                                   "saves")
-        model[name] = join(entry.kind, name, [(c[0][0], c[0][2]) for _, c in sorted(entry.copies.items())])
+        kept = _copies(name, entry, ledger)
+        model[name] = join(entry.kind, name, kept, ledger)
     problem = None
     optimizer_path: tuple[str, ...] | None = ("optimizer",)
     tree: dict = {"model": model}
@@ -612,13 +671,20 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
         optimizer_path = None  # saved without one (--no-save-optim)
     else:
         try:
-            tree["optimizer"] = _optimizer(par, files, trees, tensors, order, distrib_optim)
+            tree["optimizer"] = _optimizer(par, files, trees, tensors, order, distrib_optim, ledger)
         except _Unmapped as e:
             problem = f"{e}; the model reads without it"
     iteration = trees[(0, 0, 0)].get("iteration")
     distributed = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "world_size": len(files), "num_layers": par.num_layers,
                    "iteration": iteration if type(iteration) is int else None,
                    "parallel": {n: tensors[n].kind for n in order}}
+    if head is not None:
+        distributed["tied_head_copy"] = head
+        for t, copies in sorted(head_copies.items()):  # checked bitwise against the embedding's piece
+            for path, key, tensor in copies:
+                ledger.source(_key(path, key), tensor.spec.shape, None)
+                ledger.copy(_key(path, key), _key(*tensors[_EMBEDDING].copies[t][0][:2]))
+    distributed["accounted"] = ledger.check(CheckpointError)
     read = [*([latest] if latest else []), *(files[r] for r in par.ranks())]
     training = _Training(path, ("model",), optimizer_path, lambda: _whole(tree, problem), problem)
     # fusectl's record (its provenance) in the rank files of a save fusectl wrote (megatron_writer)

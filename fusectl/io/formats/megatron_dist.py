@@ -16,7 +16,14 @@ legacy format, :mod:`.megatron`):
   already); the two norms under Transformer Engine's names even from the local spec
   (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``);
   byte items (DCP values): each linear's ``_extra_state/shard_L_N`` per layer and the RNG state
-  ``rng_state/shard_P.T_PP.TP`` per rank (numpy's MT19937 state among them).
+  ``rng_state/shard_P.T_PP.TP`` per rank (numpy's MT19937 state among them);
+- MoE (SequentialMLP, ``experts.local_experts.N`` in the model): the router stacked like any
+  layer tensor (``decoder.layers.mlp.router.weight`` [layers, experts, hidden]) and each expert
+  tensor stacked over layers AND experts, the experts numbered globally whatever the EP rank
+  that wrote them: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [layers, experts,
+  2·ffn, hidden] (``[gate; up]``, written as two chunks) and ``…linear_fc2.weight``;
+- a tied model at PP > 1: the last stage's copy of the embedding (its head) is saved as a replica
+  of ``embedding.word_embeddings.weight``, so the files hold one tensor, as the TP=1 model does.
 
 :func:`read_megatron_dist` gives megatron-core's TP=1 model, the names and tensors
 ``dist_checkpointing.load`` into a TP=1 GPTModel of the local spec gives (bitwise): each stacked
@@ -24,8 +31,10 @@ tensor unstacked into ``decoder.layers.L.…`` — a layer of a row-major stacke
 contiguous byte range of each chunk that holds it, so a layer is file ranges (or blocks of
 them where the ranks cut it along another axis), never the stacked tensor read whole —, the
 Transformer Engine norm names given the local spec's (``input_layernorm``,
-``pre_mlp_layernorm``), in megatron-core's module order (each layer's tensors in the index's
-order, the layers where the first stacked tensor stands). Every other tensor keeps its name.
+``pre_mlp_layernorm``), each stacked expert tensor unstacked twice into
+``decoder.layers.L.mlp.experts.local_experts.E.…``, in megatron-core's module order (each
+layer's tensors in the index's order, its experts expert by expert where the first expert tensor
+stands, the layers where the first stacked tensor stands). Every other tensor keeps its name.
 The byte items are not model tensors: they are listed in ``ignored`` and never opened (their
 storage and file are checked to be there) — so the RNG state's numpy arrays are never
 unpickled, and no allow-list grows for them.
@@ -35,8 +44,10 @@ reader's Megatron records (the ``args`` Namespace, megatron-core's enums): nothi
 run. Checked before anything is written, each a CheckpointError naming the file: a
 ``metadata.json`` naming another backend (``zarr``) or none, a missing ``common.pt`` or one
 without Megatron's ``args``, a stacked tensor whose first dimension is not ``args.num_layers``,
-MoE experts (stacked over layers and experts), which fusectl does not unstack yet; and
-everything :class:`~.dcp.DcpFolder` checks of the DCP part.
+stacked experts whose second is not ``args.num_experts``, experts stacked under another name
+(TEGroupedMLP's ``experts.linear_fc1.weight``, not reachable on CPU to check its layout), which
+fusectl does not unstack; and everything :class:`~.dcp.DcpFolder` checks of the DCP part (an
+expert's chunk missing: its pieces do not tile the tensor).
 """
 
 from __future__ import annotations
@@ -57,6 +68,8 @@ from .torch_file import read_torch_tree
 
 BACKEND = "torch_dist"
 _STACKED = re.compile(r"decoder\.layers\.([^0-9].*)")  # a stacked tensor: no layer number after the prefix
+# SequentialMLP's experts, stacked over layers and experts: [num_layers, num_experts, …]
+_EXPERTS = re.compile(r"decoder\.layers\.(.*\.experts\.)experts\.(.*)")
 # Transformer Engine's names of the fused norms → the local spec's (megatron-core's TP=1 model)
 _TE_NORMS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -107,7 +120,7 @@ def read_megatron_dist(path: str, key: str | None = None,
         elif fqn not in stacked:
             tensors[fqn] = dcp.tensor(fqn).opened
         elif fqn == stacked[0]:
-            tensors.update(_unstacked(dcp, stacked, par.num_layers, common_path, folder))
+            tensors.update(_unstacked(dcp, stacked, par, common_path, folder))
     iteration = common.get("iteration")
     distributed = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "num_layers": par.num_layers,
                    "iteration": iteration if type(iteration) is int else None, "world_size": len(dcp.ranks())}
@@ -130,27 +143,54 @@ def _check_backend(meta: str, check: Callable[[str], None]) -> None:
                               f"{BACKEND!r} first")
 
 
-def _unstacked(dcp: DcpFolder, stacked: list[str], layers: int, common: str, folder: str) -> dict[str, LazyTensor]:
-    """Every layer's tensors, layer by layer, each layer's in the index's order."""
+def _unstacked(dcp: DcpFolder, stacked: list[str], par: Parallelism, common: str, folder: str) -> dict[str, LazyTensor]:
+    """Every layer's tensors, layer by layer, each layer's in the index's order; the experts of a
+    layer (stacked over layers and experts) expert by expert where the first of them stands."""
     whole = {}
     for fqn in stacked:
-        if ".experts." in fqn:
-            raise CheckpointError(f"{dcp.where}: holds {quote(fqn)}, MoE experts stacked over layers and experts, "
-                                  "which fusectl does not read from torch_dist yet; save the checkpoint with "
-                                  "Megatron-LM's legacy format (ckpt_format 'torch'), which fusectl reads")
         tensor = dcp.tensor(fqn).opened
         shape = tensor.spec.shape
-        if not shape or shape[0] != layers:
+        if not shape or shape[0] != par.num_layers:
             raise CheckpointError(f"{dcp.where}: the stacked tensor {quote(fqn)} is {tensor.spec}, its first dimension "
-                                  f"not the {layers} layers {printable(common)}'s args.num_layers says; the files "
-                                  "are of two saves")
+                                  f"not the {par.num_layers} layers {printable(common)}'s args.num_layers says; the "
+                                  "files are of two saves")
+        if ".experts." in fqn:
+            _check_experts(dcp, fqn, tensor, par, common)
         whole[fqn] = tensor
+    experts = [fqn for fqn in whole if _EXPERTS.fullmatch(fqn)]
     out = {}
-    for layer in range(layers):
+    for layer in range(par.num_layers):
         for fqn, tensor in whole.items():
+            if fqn in experts[1:]:
+                continue
+            if fqn in experts:
+                for expert in range(par.num_experts or 0):
+                    for each in experts:
+                        place, rest = _EXPERTS.fullmatch(each).groups()
+                        name = f"decoder.layers.{layer}.{place}local_experts.{expert}.{rest}"
+                        out[name] = _slab(_slab(whole[each], layer, folder), expert, folder)
+                continue
             rest = _STACKED.fullmatch(fqn).group(1)
             out[f"decoder.layers.{layer}.{_TE_NORMS.get(rest, rest)}"] = _slab(tensor, layer, folder)
     return out
+
+
+def _check_experts(dcp: DcpFolder, fqn: str, tensor: LazyTensor, par: Parallelism, common: str) -> None:
+    """Refuse a stacked expert tensor that is not SequentialMLP's ``[layers, experts, …]``.
+
+    :raises CheckpointError: naming the key: grouped experts (``experts.linear_fc1.weight``
+        of TEGroupedMLP), or a second dimension that is not ``args.num_experts``."""
+    if not _EXPERTS.fullmatch(fqn):
+        raise CheckpointError(f"{dcp.where}: holds {quote(fqn)}, MoE experts fusectl does not know how "
+                              "dist_checkpointing stacked (it reads SequentialMLP's "
+                              "'decoder.layers.mlp.experts.experts.linear_fc1.weight' [layers, experts, …]); save "
+                              "the checkpoint with Megatron-LM's legacy format (ckpt_format 'torch') instead")
+    shape = tensor.spec.shape
+    if par.num_experts is None or len(shape) < 2 or shape[1] != par.num_experts:
+        said = f"the {par.num_experts} experts" if par.num_experts else "no experts:"
+        raise CheckpointError(f"{dcp.where}: the stacked experts {quote(fqn)} are {tensor.spec}, its second "
+                              f"dimension not {said} {printable(common)}'s args.num_experts says; the files are of "
+                              "two saves")
 
 
 def _slab(tensor: LazyTensor, index: int, folder: str) -> LazyTensor:

@@ -24,9 +24,23 @@ Row pieces are file ranges of the input where it has them (nothing read but what
 column pieces of a row-parallel weight are computed when their rank's file is written, one tensor
 at a time. The sizes the split needs come from the tensors and a config: Megatron's own ``args``
 (``num_attention_heads``, ``num_query_groups``, ``kv_channels``) or a Hugging Face config.json
-(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``). No optimizer state is written:
-the caller refuses a training checkpoint unless its optimizer is dropped on purpose. MoE layers
-(``experts``) are refused: their expert-parallel layout is not written yet.
+(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``). MoE layers (``experts``) are refused:
+their expert-parallel layout is not written yet.
+
+A training checkpoint's optimizer (the legacy, non-distributed one: torch's Adam
+``state_dict()``) of the whole model — what the Megatron reader gives, or a TP=1 training dict a
+fuse or convert wrote — is written into each rank file as ``optimizer``, as megatron-core's own
+save holds it: the rank's parameters in megatron-core's param groups (the whole optimizer's
+groups in their order: decayed weights, then 1-D ones without weight decay; a group no parameter
+of the rank is in left out), each with its hyperparameters, ids 0..n-1 through the groups in the
+rank's state-dict order; each parameter's ``exp_avg``/``exp_avg_sq`` split exactly like the
+parameter (:func:`piece`), its ``step`` as it is; a tied head's last-stage copy (PP > 1) gets
+the embedding's state, as megatron-core trains it with the embedding's gradient. An optimizer
+that does not map so (:func:`whole_optimizer`) is a PlanError naming why, before anything is
+written. The input's ``opt_param_scheduler`` is kept in every rank file; no ``rng_state`` is
+written (each rank's RNG belongs to the input's parallelism). fusectl's record (its provenance)
+is kept in each rank file's archive, which ``torch.load`` does not read; the input's config.json
+is copied beside ``latest_checkpointed_iteration.txt``, where Megatron-LM does not look.
 """
 
 from __future__ import annotations
@@ -41,9 +55,11 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ...errors import PlanError, option, option_name, printable, quote
-from ...tensors import ByteRange, LazyTensor, RangesTensor, TensorSpec
+from ...rules.parallel import Ledger
+from ...tensors import LazyTensor, TensorSpec
 from ..sniff import MEGATRON_LATEST
-from .megatron import RANK_FILE, RECORDS, parallel_kind, rank_folder
+from .chunks import assemble, cut
+from .megatron import LAYOUT, RANK_FILE, RECORDS, parallel_kind, rank_folder
 from .torch_writer import write_torch_file
 
 CHECKPOINT_VERSION = 3.0
@@ -162,55 +178,10 @@ def check_divides(sizes: GptSizes, tp: int, pp: int, where: str) -> None:
 # ------------------------------------------------------------------------------- the pieces
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class _Rows(LazyTensor):
-    """Row runs ``(start, count)`` of a tensor laid end to end: file ranges where it has them."""
-
-    spec: TensorSpec
-    source: LazyTensor
-    runs: tuple[tuple[int, int], ...]
-
-    def byte_ranges(self) -> tuple[ByteRange, ...] | None:
-        """The runs' bytes as ranges of the source's files (None where it has none)."""
-        ranges = self.source.byte_ranges()
-        if ranges is None:
-            return None
-        row = self.source.spec.nbytes // self.source.spec.shape[0]
-        out = []
-        for start, count in self.runs:
-            lo, hi, at = start * row, (start + count) * row, 0
-            for r in ranges:
-                a, b = max(lo, at), min(hi, at + r.length)
-                if a < b:
-                    out.append(ByteRange(r.path, r.offset + a - at, b - a))
-                at += r.length
-        return tuple(out)
-
-    def read(self) -> np.ndarray:
-        """The runs, read from the source's ranges or cut from its data."""
-        ranges = self.byte_ranges()
-        if ranges is not None:
-            return RangesTensor(self.spec, ranges).read()
-        data = self.source.read()
-        return np.ascontiguousarray(np.concatenate([data[s:s + c] for s, c in self.runs]))
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class _Columns(LazyTensor):
-    """Columns ``start … start + count`` of a 2-D tensor, cut when read."""
-
-    spec: TensorSpec
-    source: LazyTensor
-    start: int
-
-    def read(self) -> np.ndarray:
-        """The columns, as a fresh C-ordered array."""
-        return np.ascontiguousarray(self.source.read()[:, self.start:self.start + self.spec.shape[1]])
-
-
 def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     """TP rank ``rank``'s piece of ``tensor`` of ``kind`` (:func:`.megatron.parallel_kind`): the
-    inverse of the reader's join.
+    layout's split inverted, the reader's join undone (rows as file ranges of the input where it
+    has them; other cuts made when the rank's file is written, one tensor at a time).
 
     >>> from fusectl.tensors import ArrayTensor
     >>> from fusectl.dtypes import from_numpy
@@ -219,18 +190,15 @@ def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     >>> piece("column-swiglu", t, 1, 2).read().ravel().tolist()
     [2.0, 3.0, 6.0, 7.0]
     """
-    shape, dtype = tensor.spec.shape, tensor.spec.dtype
-    if kind == "replicated" or tp == 1:
+    split, shape = LAYOUT.kind(kind), tensor.spec.shape
+    if split.replicated or tp == 1:
         return tensor
-    if kind == "row":
-        width = shape[1] // tp
-        return _Columns(TensorSpec(dtype, (shape[0], width)), tensor, rank * width)
-    if kind == "column":
-        n = shape[0] // tp
-        return _Rows(TensorSpec(dtype, (n, *shape[1:])), tensor, ((rank * n, n),))
-    half = shape[0] // 2
-    n = half // tp
-    return _Rows(TensorSpec(dtype, (2 * n, *shape[1:])), tensor, ((rank * n, n), (half + rank * n, n)))
+    axis = split.axis
+    local = tuple(n // tp if i == axis else n for i, n in enumerate(shape))
+    pieces = []
+    for start, at, count in split.runs(shape[axis], tp)[rank]:
+        pieces.append((tuple(start if i == axis else 0 for i in range(len(shape))), cut(tensor, axis, at, count)))
+    return assemble(TensorSpec(tensor.spec.dtype, local), pieces)
 
 
 def _module_rank(local: str) -> int:
@@ -252,56 +220,80 @@ def _order(names: Sequence[str]) -> list[str]:
     return [n for _, n in sorted(enumerate(names), key=key)]
 
 
-def stage_layout(names: Sequence[str], sizes: GptSizes, pp: int) -> list[list[tuple[str, str | None]]]:
-    """Per PP stage, its ``model`` entries in megatron-core's order: (local name, the whole
-    model's name of the tensor it holds, or None for a linear module's ``_extra_state``). A tied
-    head at PP > 1 is the last stage's copy of ``embedding.word_embeddings.weight``."""
-    per_stage = sizes.num_layers // pp
-    names = _order(list(names))
-    if sizes.tied and _OUTPUT not in names:
-        # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
-        # output layer's extra state is stored
-        names.append(_OUTPUT)
-    out = []
-    for p in range(pp):
-        entries: list[tuple[str, str | None]] = []
-        extra = None
-        for name in names:
-            m = _LAYER.fullmatch(name)
-            if m is not None:
-                layer = int(m.group(1))
-                if not p * per_stage <= layer < (p + 1) * per_stage:
-                    continue
-                local = f"decoder.layers.{layer - p * per_stage}.{m.group(2)}"
-            elif name.startswith("embedding.") and p > 0 or not name.startswith("embedding.") and p < pp - 1:
-                continue
-            else:
-                local = name
-            module = _LINEAR.fullmatch(local)
-            module = module.group(1) if module else None
-            if extra is not None and module != extra:
-                entries.append((f"{extra}._extra_state", None))
-            extra = module
-            if sizes.tied and name == _OUTPUT and pp == 1:
-                continue  # the head reads the embedding; its module keeps only its extra state
-            entries.append((local, _EMBEDDING if sizes.tied and name == _OUTPUT else name))
-        if extra is not None:
-            entries.append((f"{extra}._extra_state", None))
-        out.append(entries)
-    return out
-
-
 def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int
                 ) -> dict[tuple[int, int], collections.OrderedDict]:
     """(tp rank, pp stage) → that rank's ``model`` state dict (tensors, and None for each linear
-    module's ``_extra_state``), in megatron-core's order (:func:`stage_layout`)."""
+    module's ``_extra_state``), in megatron-core's order."""
+    per_stage = sizes.num_layers // pp
+    names = _order(list(tensors))
+    if sizes.tied and _OUTPUT not in tensors:
+        # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
+        # output layer's extra state is stored
+        names.append(_OUTPUT)
+    ledger = Ledger()
+    for name, tensor in tensors.items():
+        split = LAYOUT.kind(parallel_kind(name, sizes.swiglu, tp))
+        ledger.source(name, tensor.spec.shape, None if split.replicated or tp == 1 else split.axis)
     out = {}
-    for p, entries in enumerate(stage_layout(list(tensors), sizes, pp)):
+    for p in range(pp):
         for t in range(tp):
-            out[(t, p)] = collections.OrderedDict(
-                (local, None if name is None else piece(parallel_kind(name, sizes.swiglu, tp), tensors[name], t, tp))
-                for local, name in entries)
+            model: collections.OrderedDict = collections.OrderedDict()
+            extra = None
+            for name in names:
+                m = _LAYER.fullmatch(name)
+                if m is not None:
+                    layer = int(m.group(1))
+                    if not p * per_stage <= layer < (p + 1) * per_stage:
+                        continue
+                    local = f"decoder.layers.{layer - p * per_stage}.{m.group(2)}"
+                elif name.startswith("embedding.") and p > 0 or not name.startswith("embedding.") and p < pp - 1:
+                    continue
+                else:
+                    local = name
+                module = _LINEAR.fullmatch(local)
+                module = module.group(1) if module else None
+                if extra is not None and module != extra:
+                    model[f"{extra}._extra_state"] = None
+                extra = module
+                if sizes.tied and name == _OUTPUT and pp == 1:
+                    if name in tensors and t == 0:  # the input's head is the embedding (tied)
+                        ledger.copy(name, _EMBEDDING)
+                    continue  # the head reads the embedding; its module keeps only its extra state
+                source = name if name in tensors else _EMBEDDING
+                kind = parallel_kind(source, sizes.swiglu, tp)
+                model[local] = piece(kind, tensors[source], t, tp)
+                _record(ledger, source, kind, tensors[source].spec.shape, (t, p, tp, pp), local, name != source)
+            if extra is not None:
+                model[f"{extra}._extra_state"] = None
+            out[(t, p)] = model
+    ledger.check(PlanError)
     return out
+
+
+def _record(ledger: Ledger, name: str, kind: str, shape: tuple[int, ...], rank: tuple[int, int, int, int],
+            local: str, tied_copy: bool) -> None:
+    """Record in ``ledger`` that rank ``rank`` (tp rank, pp stage, tp, pp) holds ``name``'s piece
+    as ``local``: its slices of the whole; a replicated tensor's whole once (on its first rank;
+    a copy on every other), a tied head a copy of its stage 0 embedding piece."""
+    t, p, tp, pp = rank
+    split = LAYOUT.kind(kind)
+    key = f"{rank_folder(t, p, 0, pp, 1)}: {local}"
+    if tied_copy:
+        ledger.output(key, shape, None)
+        ledger.copy(key, f"{rank_folder(t, 0, 0, pp, 1)}: {name}")
+        return
+    if split.replicated or tp == 1:
+        ledger.output(key, shape, None)
+        first = f"{rank_folder(0, p, 0, pp, 1)}: {local}"
+        if key == first:
+            ledger.take(name, 0, key, 0, 1)
+        else:
+            ledger.copy(key, first)
+        return
+    axis = split.axis
+    ledger.output(key, tuple(n // tp if i == axis else n for i, n in enumerate(shape)), axis)
+    for start, at, count in split.runs(shape[axis], tp)[t]:
+        ledger.take(name, at, key, start, count)
 
 
 # ------------------------------------------------------------------------------- the optimizer
@@ -436,16 +428,31 @@ def _recorded_names(record: Mapping[str, str] | None) -> list[str] | None:
     return names if isinstance(names, list) and all(type(n) is str for n in names) else None
 
 
-def rank_optimizer(whole: WholeOptimizer, entries: Sequence[tuple[str, str | None]], sizes: GptSizes, rank: int,
-                   tp: int) -> dict:
-    """TP rank ``rank``'s optimizer ``state_dict()`` for a stage holding ``entries``
-    (:func:`stage_layout`): megatron-core's param groups of its parameters — the whole
+def whole_name(local: str, stage: int, per_stage: int, tied: bool) -> str:
+    """The whole model's name of the tensor a stage's ``local`` entry holds: its layer number
+    plus the layers of the stages before; a tied head (the last stage's copy at PP > 1) the
+    embedding.
+
+    >>> whole_name("decoder.layers.0.mlp.linear_fc1.weight", 1, 2, False)
+    'decoder.layers.2.mlp.linear_fc1.weight'
+    """
+    m = _LAYER.fullmatch(local)
+    if m is not None:
+        return f"decoder.layers.{int(m.group(1)) + stage * per_stage}.{m.group(2)}"
+    return _EMBEDDING if tied and local == _OUTPUT else local
+
+
+def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None], stage: int, sizes: GptSizes,
+                   rank: int, tp: int, pp: int) -> dict:
+    """TP rank ``rank``'s optimizer ``state_dict()`` for the stage ``stage`` whose rank holds
+    ``model`` (:func:`rank_models`): megatron-core's param groups of its parameters — the whole
     optimizer's groups in their order, empty ones left out, each with its hyperparameters —,
-    ids 0..n-1 through them, each parameter's state split like the parameter (:func:`piece`),
-    its numbers (``step``) as they are."""
+    ids 0..n-1 through them in the model's order, each parameter's state split like the
+    parameter (:func:`piece`), its numbers (``step``) as they are."""
     members: list[list[str]] = [[] for _ in whole.hyper]
-    for _, name in entries:
-        if name is not None:
+    for local, value in model.items():
+        if value is not None:
+            name = whole_name(local, stage, sizes.num_layers // pp, sizes.tied)
             members[whole.group_of[name]].append(name)
     state, groups, pid = {}, [], 0
     for hyper, names in zip(whole.hyper, members):
@@ -532,14 +539,13 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     check_divides(sizes, tp, pp, where)
     dtype = tensors[_EMBEDDING].spec.dtype.safetensors
     models = rank_models(tensors, sizes, tp, pp)
-    layout = stage_layout(list(tensors), sizes, pp)
     args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype)
     iteration_folder = os.path.join(folder, "release" if iteration is None else f"iter_{iteration:07d}")
     written = copied = 0
     for (t, p), model in models.items():
         tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
         if optimizer is not None:
-            tree["optimizer"] = rank_optimizer(optimizer, layout[p], sizes, t, tp)
+            tree["optimizer"] = rank_optimizer(optimizer, model, p, sizes, t, tp, pp)
             if scheduler is not None:
                 tree["opt_param_scheduler"] = scheduler
         held = [v for v in model.values() if v is not None] + \

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..io.checkpoint import Checkpoint
-from ..io.formats.mxnet_symbol import Symbol, read_symbol
-from ..ops.reparam import BatchNormFacts, BnFold, NormFacts
-from .schema import RuleSet
+from .io.checkpoint import Checkpoint
+from .io.formats.mxnet_symbol import Symbol, read_symbol
+from .ops.reparam import BatchNormFacts, BnFold, NormFacts
+from .rules.schema import RuleSet
 
 SYMBOL_SUFFIX = "-symbol.json"
 
