@@ -222,8 +222,10 @@ def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
 
 def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, int | None],
                     drop_optimizer: bool, max_shard_size: int | None) -> None:
-    """``tp``/``pp`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of the
-    model alone: PlanError for a file output, an optimizer not dropped on purpose, a shard size."""
+    """``tp``/``pp`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of rank
+    files: PlanError for a file output, a Hugging Face Trainer folder's optimizer (not
+    megatron-core's param groups) not dropped on purpose, a shard size; CheckpointError for an
+    optimizer the reader could not map, not dropped on purpose."""
     given = [name for name, value in zip(("tp", "pp"), parallel) if value is not None]
     if to != "megatron":
         if given:
@@ -234,24 +236,23 @@ def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple
     if output_kind(os.fspath(out)) != "folder":
         raise PlanError(f"{os.fspath(out)}: {flag} writes a folder; give {option_name('out')} a folder (a path "
                         "without a file suffix)")
+    if isinstance(checkpoint.training, TrainerOptimizer) and _has_optimizer(checkpoint) and not drop_optimizer:
+        raise PlanError(f"{printable(str(checkpoint.path))} is a Hugging Face Trainer folder, whose optimizer.pt "
+                        f"{flag} cannot split over megatron-core's param groups; pass {option('drop_optimizer')} "
+                        "to write the model without it")
     if _has_optimizer(checkpoint) and not drop_optimizer:
-        raise PlanError(f"{printable(str(checkpoint.path))} holds optimizer state, which {flag} does not write "
-                        f"(it writes the model's rank files only); pass {option('drop_optimizer')} to write the "
-                        "model without it")
+        _or_drop(checkpoint.training.tree)  # an optimizer the reader could not map: never dropped silently
     if max_shard_size is not None:
         raise PlanError(f"{flag} writes one file per rank; {option_name('max_shard_size')} does not apply, leave it "
                         "out")
 
 
-def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, int | None],
-                    force: bool, on_note: Callable[[str], None] | None, steps: int) -> FuseReport:
-    """Write ``table`` (megatron-core's TP=1 names) as a Megatron-LM legacy save folder ``out`` at
-    ``parallel`` (tp, pp; 1 where not given): ``io.formats.megatron_writer``. The head counts
-    come from the checkpoint's config, else (a Megatron input) its own ``args``."""
-    from .io.atomic import atomic_output
-    from .io.formats.megatron_writer import write_megatron
-    tp, pp = (value if value is not None else 1 for value in parallel)
-    head, embedding = "output_layer.weight", "embedding.word_embeddings.weight"
+_HEAD, _EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
+
+
+def _megatron_facts(checkpoint: Checkpoint, table: ParamTable) -> tuple[dict | None, int | None, bool]:
+    """(the config giving the head counts: the checkpoint's, else a Megatron input's own ``args``;
+    the iteration to name the save by, None for a release; whether the head is tied)."""
     config = checkpoint.config
     iteration = None
     if checkpoint.format == "megatron-legacy":
@@ -259,18 +260,101 @@ def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, paralle
         config = config if config is not None else saved_args(str(checkpoint.path))
         iteration = (checkpoint.distributed or {}).get("iteration") or None  # 0: a release, never loaded as 0
     # a tied save at PP > 1 stores the head's copy on the last stage: its args say it is tied
-    tied = head not in table or (embedding in table and table[head] is table[embedding]) or \
+    tied = _HEAD not in table or (_EMBEDDING in table and table[_HEAD] is table[_EMBEDDING]) or \
         (config or {}).get("untie_embeddings_and_output_weights") is False
-    tensors = {n: table[n] for n in table.entries if not (tied and n == head)}
+    return config, iteration, tied
+
+
+def _config_text(checkpoint: Checkpoint) -> bytes | None:
+    """The input's config.json as it is, copied beside a Megatron save (None: it has none)."""
+    if checkpoint.config_path is None:
+        return None
+    with open(checkpoint.config_path, "rb") as f:
+        return f.read()
+
+
+def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, int | None],
+                    force: bool, on_note: Callable[[str], None] | None, recorded: Plan) -> FuseReport:
+    """Write ``table`` (megatron-core's TP=1 names) alone as a Megatron-LM legacy save folder ``out``
+    at ``parallel`` (tp, pp; 1 where not given): ``io.formats.megatron_writer``, ``recorded`` its
+    provenance, the input's config.json beside it. The head counts come from the checkpoint's
+    config, else (a Megatron input) its own ``args``. A training checkpoint whose optimizer is
+    kept goes through ``_write`` instead (:func:`_megatron_target`)."""
+    from .io.atomic import atomic_output
+    from .io.formats.megatron_writer import write_megatron
+    from .write import output_metadata
+    tp, pp = (value if value is not None else 1 for value in parallel)
+    config, iteration, tied = _megatron_facts(checkpoint, table)
+    tensors = {n: table[n] for n in table.entries if not (tied and n == _HEAD)}
+    _, provenance = output_metadata(table, recorded, checkpoint.metadata)
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
         _, written, copied = write_megatron(temp, tensors, tp=tp, pp=pp, config=config, tied=tied,
-                                            iteration=iteration, where=printable(str(checkpoint.path)))
+                                            iteration=iteration, where=printable(str(checkpoint.path)),
+                                            metadata=provenance, config_text=_config_text(checkpoint))
     unique = sum(t.spec.nbytes for t in {id(t): t for t in tensors.values()}.values())
     fate = None
     if _has_optimizer(checkpoint):
         fate = {"where": checkpoint.training.optimizer_key, "state": "dropped", "untied": [],
                 "trajectory_changes": False}
-    return FuseReport(os.fspath(out), len(tensors), unique, written, copied, steps, model_ties(table), optimizer=fate)
+    return FuseReport(os.fspath(out), len(tensors), unique, written, copied, len(recorded.steps), model_ties(table),
+                      optimizer=fate)
+
+
+def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[int | None, int | None],
+                     on_note: Callable[[str], None] | None) -> Callable[..., None]:
+    """The writer ``training_output`` calls (as it calls ``TARGETS``' ones) with the whole
+    (TP=1) training tree of a checkpoint whose optimizer is kept: its model and optimizer split
+    over ``parallel`` (tp, pp) Megatron-LM rank files (``megatron_writer.whole_optimizer``: a
+    PlanError for an optimizer it cannot map), the input's ``opt_param_scheduler`` in each (a
+    note where it has none), fusectl's record in each rank file, the config.json beside."""
+    from .io.formats.megatron_writer import whole_optimizer, write_megatron
+    from .io.key_path import node_at
+    from .io.optimizer_state import RECORD_KEYS
+    from .tensors import LazyTensor
+    tp, pp = (value if value is not None else 1 for value in parallel)
+    config, iteration, tied = _megatron_facts(checkpoint, table)
+    where = printable(str(checkpoint.path))
+
+    def write(folder: str, root, model_path, optimizer_path, metadata: Mapping[str, str], out: str) -> None:
+        model = node_at(root, model_path)
+        tensors = {n: t for n, t in model.items() if isinstance(t, LazyTensor) and not (tied and n == _HEAD)}
+        whole = whole_optimizer(node_at(root, optimizer_path), tensors, metadata, where,
+                                copies={_HEAD: _EMBEDDING} if tied else None)
+        scheduler = _megatron_scheduler(checkpoint, root)
+        found = iteration if iteration is not None else \
+            (root.get("iteration") if isinstance(root, dict) and type(root.get("iteration")) is int else None)
+        write_megatron(folder, tensors, tp=tp, pp=pp, config=config, tied=tied, iteration=found or None,
+                       where=where, optimizer=whole, scheduler=scheduler,
+                       metadata={k: v for k, v in metadata.items() if k not in RECORD_KEYS},
+                       config_text=_config_text(checkpoint))
+        if on_note is None:
+            return
+        if scheduler is None:
+            on_note(f"{where}: holds no opt_param_scheduler, so {printable(out)} has none; Megatron-LM's "
+                    "load_checkpoint reads one beside the optimizer and stops without it (add the scheduler's "
+                    "state_dict() to each rank file, or resume with `pretrain_gpt.py --no-load-optim`)")
+        if not found:
+            on_note(f"{where}: its iteration is not known, so {printable(out)} is a release save, whose optimizer "
+                    "Megatron-LM does not load (it fine-tunes a release); rename release/ to iter_NNNNNNN/ and "
+                    "write NNNNNNN in latest_checkpointed_iteration.txt to resume")
+        on_note(f"{printable(out)}: holds no rng_state (the input's ranks' RNG states are of its own "
+                "parallelism); resume with `pretrain_gpt.py --no-load-rng`")
+
+    return write
+
+
+def _megatron_scheduler(checkpoint: Checkpoint, root) -> object:
+    """The input's ``opt_param_scheduler`` (the same on every rank): a Megatron save's first rank
+    file's, else the training dict's entry; None where it has none."""
+    if isinstance(root, dict) and "opt_param_scheduler" in root:
+        return root["opt_param_scheduler"]
+    if checkpoint.format != "megatron-legacy":
+        return None
+    from .io.formats.megatron import RANK_FILE, RECORDS
+    from .io.formats.torch_file import read_torch_tree
+    first = next(f for f in checkpoint.files if os.path.basename(f) == RANK_FILE)
+    tree, _ = read_torch_tree(first, records=RECORDS)
+    return tree.get("opt_param_scheduler") if isinstance(tree, dict) else None
 
 
 def _whole(checkpoint: Checkpoint, out, to: str | None, drop_optimizer: bool, max_shard_size: int | None) -> bool:
@@ -278,8 +362,10 @@ def _whole(checkpoint: Checkpoint, out, to: str | None, drop_optimizer: bool, ma
     (``training_output.writes_training``, or ``to``: a folder of that format). PlanError for a
     ``to`` that cannot be: an unknown format, an output that is not a folder, a checkpoint
     without an optimizer (or a Trainer folder), with ``drop_optimizer`` or ``max_shard_size``."""
-    if to is None or to == "megatron":  # the model alone (_check_megatron)
-        return to is None and writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
+    if to == "megatron":  # the optimizer split with the model over the rank files (_check_megatron)
+        return _has_optimizer(checkpoint) and not drop_optimizer
+    if to is None:
+        return writes_training(checkpoint, out) and _has_optimizer(checkpoint) and not drop_optimizer
     flag = f"{option_name('to')} {to}"
     if to not in TARGETS:
         raise PlanError(f"{option_name('to')} {quote(to)}: fusectl writes {' or '.join([*TARGETS, 'megatron'])}")
@@ -597,8 +683,9 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
         checkpoint (PlanError for an input without an optimizer, or an output that is not a folder);
         or ``"megatron"``: the model (megatron-core's TP=1 names, as ``llama-to-megatron-gpt``
         makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp``
-        (``io.formats.megatron_writer``), no optimizer state (PlanError for an input with one,
-        unless ``drop_optimizer``), no provenance.
+        (``io.formats.megatron_writer``), with a training input's optimizer split over the
+        ranks like its parameters (PlanError for one it cannot map, unless ``drop_optimizer``),
+        the input's scheduler, fusectl's provenance in the rank files, its config.json beside.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
@@ -629,15 +716,17 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     untied = _untied_training(checkpoint, planned.plan, untie_training) if whole and not copied else []
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
-    if to == "megatron":
-        return _timed(_write_megatron(checkpoint, result, out, (tp, pp), force, on_note,
-                                      len((history + planned.plan).steps)), started)
+    if to == "megatron" and not whole:
+        return _timed(_write_megatron(checkpoint, result, out, (tp, pp), force, on_note, history + planned.plan),
+                      started)
     twins = _moved_twins(checkpoint, planned.start, planned.plan, out, to)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
                          whole_training=whole, param_order_out=param_order_out,
                          param_order_from_model=param_order_from_model, dropped=drop_optimizer,
-                         untied=untied, twins=twins, state_copied=copied, to=to), started)
+                         untied=untied, twins=twins, state_copied=copied,
+                         to=_megatron_target(checkpoint, result, (tp, pp), on_note) if to == "megatron" else to),
+                  started)
 
 
 def _may_copy_state(checkpoint: Checkpoint, param_order_out) -> bool:
@@ -698,7 +787,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         prove it.
     :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
         (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``); ``"megatron"``: the
-        model as a Megatron-LM legacy save.
+        model (its optimizer split with it, as :func:`fuse`'s) as a Megatron-LM legacy save.
     :param tp: as :func:`fuse`'s.
     :param pp: as :func:`fuse`'s.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
@@ -762,13 +851,13 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         twins = _moved_twins(checkpoint, start, inverse, out, to)
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
-    if to == "megatron":
-        return _timed(_write_megatron(checkpoint, table, out, (tp, pp), force, on_note, len((history + new).steps)),
-                      started)
+    if to == "megatron" and not whole:
+        return _timed(_write_megatron(checkpoint, table, out, (tp, pp), force, on_note, history + new), started)
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
                          moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied,
-                         to=to), started)
+                         to=_megatron_target(checkpoint, table, (tp, pp), on_note) if to == "megatron" else to),
+                  started)
 
 
 def _bound_history(checkpoint: Checkpoint) -> Plan | None:
@@ -814,7 +903,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     :param drop_optimizer: as :func:`fuse`'s: write the model without its optimizer state.
     :param to: as :func:`fuse`'s: the training checkpoint written whole as a DCP folder
         (``"dcp"``) or a DeepSpeed universal checkpoint (``"ds-universal"``), its optimizer as read;
-        or ``"megatron"``: the model as a Megatron-LM legacy save at ``tp`` × ``pp``.
+        or ``"megatron"``: the model (its optimizer split with it, as :func:`fuse`'s) as a
+        Megatron-LM legacy save at ``tp`` × ``pp``.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
@@ -833,20 +923,21 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
     _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
-    if to == "megatron":
-        history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
-        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp), force, on_note,
-                                      len(history.steps)), started)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size) and \
         not isinstance(checkpoint.training, TrainerOptimizer)
+    history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
+    if to == "megatron" and not whole:
+        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp), force, on_note, history),
+                      started)
     table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:
         table.store_once()
-    history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer,
-                         state_copied=whole, to=to), started)
+                         state_copied=whole,
+                         to=_megatron_target(checkpoint, table, (tp, pp), on_note) if to == "megatron" else to),
+                  started)
 
 
 def inspect(ckpt, *, config: str | None = None, detect_ties: bool = False, follow_symlinks: bool = False,

@@ -340,7 +340,8 @@ def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder
     """Write the training tree ``root`` whose model is ``table``'s, ``order.recorded`` as its
     provenance (with ``order.record``), ``record`` (``optimizer_state.order_record``) beside it:
     a PyTorch file, or, with ``to`` (:data:`TARGETS`), the folder of a format a distributed
-    trainer resumes from (a DCP folder, a DeepSpeed universal checkpoint).
+    trainer resumes from (a DCP folder, a DeepSpeed universal checkpoint); ``to`` may also be
+    such a writer itself, called as ``TARGETS``' are (``api``'s Megatron rank files).
     Where the input has an optimizer, a tensor of the model whose name holds the state separator
     is refused, in the input or, where ``table`` holds the model alone (the optimizer written as
     read, or left out), in ``table``: it would read as an optimizer state, its steps left out of
@@ -362,7 +363,8 @@ def _write_tree(checkpoint: Checkpoint, table: ParamTable, root, order: KeyOrder
             write_torch_file(temp, root, metadata=metadata)
         else:
             training = checkpoint.training
-            TARGETS[to](temp, root, training.model_path, training.optimizer_path, metadata, out)
+            writer = TARGETS[to] if isinstance(to, str) else to  # a writer of its own (api's --to megatron)
+            writer(temp, root, training.model_path, training.optimizer_path, metadata, out)
     nbytes = sum(t.spec.nbytes for t in written.values())
     copied = sum(t.spec.nbytes for t in written.values() if t.byte_ranges() is not None)
     return WriteReport(out, len(model_table.written()), sum(t.spec.nbytes for _, t in model_table.unique()),

@@ -69,6 +69,7 @@ from ...errors import CheckpointError, printable, quote
 from ...tensors import LazyTensor, TensorSpec
 from ..contents import Contents
 from ..optimizer_state import Training
+from ..provenance import METADATA_KEY
 from ..sniff import MEGATRON_LATEST, MEGATRON_RANK_FOLDER
 from ..untrusted import open_input
 from ...rules.parallel import Ledger, shipped_layout
@@ -686,8 +687,10 @@ def read_megatron(path: str, key: str | None = None, check_link: Callable[[str],
     distributed["accounted"] = ledger.check(CheckpointError)
     read = [*([latest] if latest else []), *(files[r] for r in par.ranks())]
     training = _Training(path, ("model",), optimizer_path, lambda: _whole(tree, problem), problem)
-    return Contents(dict(model), read, ignored=extra, training=training, order=list(model),
-                    distributed=distributed)
+    # fusectl's record (its provenance) in the rank files of a save fusectl wrote (megatron_writer)
+    record = read_torch_tree(files[(0, 0, 0)], records=RECORDS)[1]
+    return Contents(dict(model), read, record, record.get(METADATA_KEY), ignored=extra, training=training,
+                    order=list(model), distributed=distributed)
 
 
 class _Training(Training):

@@ -24,14 +24,29 @@ Row pieces are file ranges of the input where it has them (nothing read but what
 column pieces of a row-parallel weight are computed when their rank's file is written, one tensor
 at a time. The sizes the split needs come from the tensors and a config: Megatron's own ``args``
 (``num_attention_heads``, ``num_query_groups``, ``kv_channels``) or a Hugging Face config.json
-(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``). No optimizer state is written:
-the caller refuses a training checkpoint unless its optimizer is dropped on purpose. MoE layers
-(``experts``) are refused: their expert-parallel layout is not written yet.
+(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``). MoE layers (``experts``) are refused:
+their expert-parallel layout is not written yet.
+
+A training checkpoint's optimizer (the legacy, non-distributed one: torch's Adam
+``state_dict()``) of the whole model — what the Megatron reader gives, or a TP=1 training dict a
+fuse or convert wrote — is written into each rank file as ``optimizer``, as megatron-core's own
+save holds it: the rank's parameters in megatron-core's param groups (the whole optimizer's
+groups in their order: decayed weights, then 1-D ones without weight decay; a group no parameter
+of the rank is in left out), each with its hyperparameters, ids 0..n-1 through the groups in the
+rank's state-dict order; each parameter's ``exp_avg``/``exp_avg_sq`` split exactly like the
+parameter (:func:`piece`), its ``step`` as it is; a tied head's last-stage copy (PP > 1) gets
+the embedding's state, as megatron-core trains it with the embedding's gradient. An optimizer
+that does not map so (:func:`whole_optimizer`) is a PlanError naming why, before anything is
+written. The input's ``opt_param_scheduler`` is kept in every rank file; no ``rng_state`` is
+written (each rank's RNG belongs to the input's parallelism). fusectl's record (its provenance)
+is kept in each rank file's archive, which ``torch.load`` does not read; the input's config.json
+is copied beside ``latest_checkpointed_iteration.txt``, where Megatron-LM does not look.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -39,7 +54,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ...errors import PlanError, option_name, printable, quote
+from ...errors import PlanError, option, option_name, printable, quote
 from ...rules.parallel import Ledger
 from ...tensors import LazyTensor, TensorSpec
 from ..sniff import MEGATRON_LATEST
@@ -281,6 +296,180 @@ def _record(ledger: Ledger, name: str, kind: str, shape: tuple[int, ...], rank: 
         ledger.take(name, at, key, start, count)
 
 
+# ------------------------------------------------------------------------------- the optimizer
+
+_NAMES_KEY = "fusectl.param_names"  # optimizer_state.NAMES_KEY: the parameter of each id, in id order
+
+
+@dataclass(frozen=True)
+class WholeOptimizer:
+    """The whole (TP=1 PP=1) model's optimizer, parsed for splitting: its param groups'
+    hyperparameters (``params`` and ``param_names`` left out) and, per parameter name, its
+    group's index and its state (``{}``: none, as torch keeps for a parameter never stepped)."""
+
+    hyper: tuple[dict, ...]
+    group_of: dict[str, int]
+    state_of: dict[str, dict]
+
+
+def whole_optimizer(optimizer: object, tensors: Mapping[str, LazyTensor], record: Mapping[str, str] | None,
+                    where: str, copies: Mapping[str, str] | None = None) -> WholeOptimizer:
+    """The optimizer ``state_dict()`` of the whole model ``tensors`` parsed for splitting: each
+    id's parameter from its group's ``param_names`` (what fusectl's Megatron reader gives), else
+    from fusectl's ``record`` (the parameter of each id, in id order).
+
+    :param optimizer: torch's ``{"state": {id: {...}}, "param_groups": [...]}``.
+    :param tensors: the whole model (megatron-core's TP=1 names; a tied head left out).
+    :param record: the training dict's fusectl record (None: none).
+    :param where: the input, as messages name it.
+    :param copies: name → the tensor of ``tensors`` it is a copy of (a tied head's copy on the last
+        PP stage, which megatron-core trains with the embedding's gradient): its state, where the
+        optimizer has one, must be the kept one's, bitwise; it is written as that one's.
+    :raises PlanError: an optimizer that is not torch's state_dict, ids no name is known for, a
+        parameter in no group or in two, a group naming a tensor the model does not hold, a
+        state tensor whose shape is not its parameter's, a moment some parameters lack, a
+        copy's state that is not its tensor's.
+    """
+    copies = dict(copies or {})
+    state, groups = (optimizer.get("state"), optimizer.get("param_groups")) if isinstance(optimizer, dict) else \
+        (None, None)
+    if not isinstance(state, dict) or not isinstance(groups, list) or \
+            not all(isinstance(g, dict) and type(g.get("params")) is list for g in groups):
+        raise PlanError(f"{where}: its optimizer is not torch's state_dict (state, param_groups with params), so "
+                        f"fusectl cannot split it over Megatron's ranks; {_drop()}")
+    ids = [i for g in groups for i in g["params"]]
+    if len(set(ids)) != len(ids) or not all(type(i) is int for i in ids):
+        raise PlanError(f"{where}: its optimizer's param groups list an id twice or one that is not an integer; "
+                        f"fusectl cannot tell whose state each id is; {_drop()}")
+    if all(type(g.get("param_names")) is list and len(g["param_names"]) == len(g["params"]) for g in groups):
+        name_of = dict(zip(ids, (n for g in groups for n in g["param_names"])))
+    else:
+        names = _recorded_names(record)
+        if names is None or sorted(ids) != list(range(len(names))):
+            raise PlanError(f"{where}: its optimizer's param groups do not name their parameters (param_names) and "
+                            f"fusectl's record of them is missing or lists {len(names or [])} for {len(ids)} ids; "
+                            f"fusectl cannot tell whose state each id is; {_drop()}")
+        name_of = {i: names[i] for i in ids}
+    group_of: dict[str, int] = {}
+    copied = {i: name_of.pop(i) for i in list(name_of) if name_of[i] in copies}
+    for index, group in enumerate(groups):
+        for i in group["params"]:
+            if i in copied:
+                continue
+            name = name_of[i]
+            if name not in tensors:
+                raise PlanError(f"{where}: optimizer param group {index} holds {quote(str(name))}, which the model "
+                                f"to write does not hold; fusectl cannot map that group to Megatron's; {_drop()}")
+            if group_of.setdefault(name, index) != index:
+                raise PlanError(f"{where}: {quote(name)} is in two optimizer param groups; {_drop()}")
+    missing = next((n for n in tensors if n not in group_of), None)
+    if missing is not None:
+        raise PlanError(f"{where}: {quote(missing)} is in none of the optimizer's param groups, so megatron-core's "
+                        f"optimizer on its rank would have no group to put it in; {_drop()}")
+    state_of: dict[str, dict] = {}
+    moments: set[str] | None = None
+    for i, name in name_of.items():
+        entry = state.get(i, {})
+        if not isinstance(entry, dict):
+            raise PlanError(f"{where}: the optimizer state of {quote(name)} (id {i}) is not a dict; {_drop()}")
+        shaped = set()
+        for key, value in entry.items():
+            if isinstance(value, LazyTensor) and value.spec.shape:
+                if value.spec.shape != tensors[name].spec.shape:
+                    raise PlanError(f"{where}: the optimizer's {quote(str(key))} of {quote(name)} is {value.spec}, "
+                                    f"but the parameter is {tensors[name].spec}; fusectl splits a moment exactly "
+                                    f"like its parameter and cannot split this one; {_drop()}")
+                shaped.add(key)
+        if entry:
+            if moments is not None and shaped != moments:
+                lacking = sorted(moments ^ shaped)[0]
+                raise PlanError(f"{where}: the optimizer state of {quote(name)} lacks or adds {quote(str(lacking))} "
+                                f"beside the other parameters' moments; a missing moment is never written as one; "
+                                f"{_drop()}")
+            moments = shaped
+        state_of[name] = entry
+    for i, name in copied.items():
+        kept = copies[name]
+        index = next(n for n, g in enumerate(groups) if i in g["params"])
+        if index != group_of[kept] or not _same_state(state.get(i, {}), state_of[kept]):
+            raise PlanError(f"{where}: the optimizer state of {quote(name)}, a copy of {quote(kept)}, is not that "
+                            f"tensor's (another group, or other moments), so the copy is not trained as it is; "
+                            f"fusectl writes one state for both and cannot choose; {_drop()}")
+    hyper = tuple({k: v for k, v in g.items() if k not in ("params", "param_names")} for g in groups)
+    return WholeOptimizer(hyper, group_of, state_of)
+
+
+def _same_state(a: object, b: Mapping) -> bool:
+    """Two optimizer states with the same entries, numbers equal and tensors bitwise."""
+    if not isinstance(a, dict) or list(a) != list(b):
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, LazyTensor) or isinstance(other, LazyTensor):
+            if not (isinstance(value, LazyTensor) and isinstance(other, LazyTensor) and value.spec == other.spec
+                    and value.read().tobytes() == other.read().tobytes()):
+                return False
+        elif type(value) is not type(other) or value != other:
+            return False
+    return True
+
+
+def _drop() -> str:
+    return f"pass {option('drop_optimizer')} to write the model without its optimizer state"
+
+
+def _recorded_names(record: Mapping[str, str] | None) -> list[str] | None:
+    """The parameter of each id fusectl recorded for a training dict it wrote, or None."""
+    text = (record or {}).get(_NAMES_KEY)
+    try:
+        names = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return names if isinstance(names, list) and all(type(n) is str for n in names) else None
+
+
+def whole_name(local: str, stage: int, per_stage: int, tied: bool) -> str:
+    """The whole model's name of the tensor a stage's ``local`` entry holds: its layer number
+    plus the layers of the stages before; a tied head (the last stage's copy at PP > 1) the
+    embedding.
+
+    >>> whole_name("decoder.layers.0.mlp.linear_fc1.weight", 1, 2, False)
+    'decoder.layers.2.mlp.linear_fc1.weight'
+    """
+    m = _LAYER.fullmatch(local)
+    if m is not None:
+        return f"decoder.layers.{int(m.group(1)) + stage * per_stage}.{m.group(2)}"
+    return _EMBEDDING if tied and local == _OUTPUT else local
+
+
+def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None], stage: int, sizes: GptSizes,
+                   rank: int, tp: int, pp: int) -> dict:
+    """TP rank ``rank``'s optimizer ``state_dict()`` for the stage ``stage`` whose rank holds
+    ``model`` (:func:`rank_models`): megatron-core's param groups of its parameters — the whole
+    optimizer's groups in their order, empty ones left out, each with its hyperparameters —,
+    ids 0..n-1 through them in the model's order, each parameter's state split like the
+    parameter (:func:`piece`), its numbers (``step``) as they are."""
+    members: list[list[str]] = [[] for _ in whole.hyper]
+    for local, value in model.items():
+        if value is not None:
+            name = whole_name(local, stage, sizes.num_layers // pp, sizes.tied)
+            members[whole.group_of[name]].append(name)
+    state, groups, pid = {}, [], 0
+    for hyper, names in zip(whole.hyper, members):
+        if not names:
+            continue
+        ids = list(range(pid, pid + len(names)))
+        for i, name in zip(ids, names):
+            entry = whole.state_of[name]
+            if entry:
+                kind = parallel_kind(name, sizes.swiglu, tp)
+                state[i] = {k: piece(kind, v, rank, tp) if isinstance(v, LazyTensor) and v.spec.shape else v
+                            for k, v in entry.items()}
+        groups.append({**hyper, "params": ids})
+        pid += len(names)
+    return {"state": state, "param_groups": groups}
+
+
 # ------------------------------------------------------------------------------- the files
 
 
@@ -319,7 +508,9 @@ def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Map
 
 def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int,
                    config: Mapping[str, object] | None, tied: bool, iteration: int | None = None,
-                   where: str = "") -> tuple[int, int, int]:
+                   where: str = "", optimizer: WholeOptimizer | None = None, scheduler: object = None,
+                   metadata: Mapping[str, str] | None = None, config_text: bytes | None = None
+                   ) -> tuple[int, int, int]:
     """Write ``tensors`` (megatron-core's TP=1 names) as a Megatron-LM legacy save folder
     ``folder`` (made if missing) at ``tp`` × ``pp`` (module docstring).
 
@@ -332,6 +523,13 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     :param iteration: the iteration the save is named by (None: ``release``, as Megatron names a
         converted model, whose loader refuses iteration 0).
     :param where: the input, as messages name it.
+    :param optimizer: the whole model's optimizer (:func:`whole_optimizer`), written split per
+        rank as ``optimizer`` (:func:`rank_optimizer`); None: none written.
+    :param scheduler: ``opt_param_scheduler`` written in every rank file as it is (None: none).
+    :param metadata: fusectl's record (its provenance), kept in every rank file's archive
+        (``torch_writer``), which ``torch.load`` does not read.
+    :param config_text: a config.json written beside ``latest_checkpointed_iteration.txt``,
+        where Megatron-LM does not look.
     :returns: (rank files written, bytes of tensors written in them, of which copied as file ranges).
     :raises PlanError: sizes that do not divide, a model that is not megatron-core's GPT, before
         anything is written.
@@ -345,13 +543,23 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     iteration_folder = os.path.join(folder, "release" if iteration is None else f"iter_{iteration:07d}")
     written = copied = 0
     for (t, p), model in models.items():
-        held = [v for v in model.values() if v is not None]
+        tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
+        if optimizer is not None:
+            tree["optimizer"] = rank_optimizer(optimizer, model, p, sizes, t, tp, pp)
+            if scheduler is not None:
+                tree["opt_param_scheduler"] = scheduler
+        held = [v for v in model.values() if v is not None] + \
+            [v for e in tree.get("optimizer", {"state": {}})["state"].values() for v in e.values()
+             if isinstance(v, LazyTensor)]
         written += sum(v.spec.nbytes for v in held)
         copied += sum(v.spec.nbytes for v in held if v.byte_ranges() is not None)
         rank = os.path.join(iteration_folder, rank_folder(t, p, 0, pp, 1))
         os.makedirs(rank, exist_ok=True)
-        tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
-        write_torch_file(os.path.join(rank, RANK_FILE), tree)
+        write_torch_file(os.path.join(rank, RANK_FILE), tree, metadata=metadata)
     with open(os.path.join(folder, MEGATRON_LATEST), "w", encoding="ascii") as f:
         f.write("release" if iteration is None else str(iteration))
+    if config_text is not None:
+        with open(os.path.join(folder, "config.json"), "wb") as f:
+            f.write(config_text)
     return len(models), written, copied
+
