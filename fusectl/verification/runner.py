@@ -79,16 +79,20 @@ def ort_values(arrays: Mapping[str, np.ndarray]) -> dict:
     return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
 
-def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None):
+def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None,
+            *, arena: bool = True):
     """An InferenceSession that really runs on ``provider`` (strict fp32: TF32 off on CUDA).
 
     ``initializers`` (OrtValues by name, :func:`ort_values`) replace the model's own tensors of
     those names, so that two sessions can run on one copy; pre-packing is then off, since a
     kernel's packed copy of a shared weight would be one more copy in each session.
+    ``arena=False``: no CPU memory arena, so that a run's intermediate buffers are freed when it
+    ends (for sessions kept alive beside another).
     """
     ort = _ort()
     options = ort.SessionOptions()
     options.log_severity_level = _ORT_SILENT
+    options.enable_cpu_mem_arena = arena
     try:
         for name, value in (initializers or {}).items():
             options.add_initializer(name, value)
