@@ -42,8 +42,8 @@ class ModelVerifyReport(VerifyReport):
     def to_json(self) -> dict:
         """The report's JSON (``--report``), with ``shared_initializers``, the named ``dims`` and
         the ``runs`` added."""
-        return {**super().to_json(), "shared_initializers": dict(self.shared), "dims": dict(self.dims),
-                "runs": self.runs}
+        return {**super().to_json(), "shared_initializers": dict(self.shared), "runs": self.runs,
+                "dims": dict(self.dims)}
 
     def to_text(self) -> str:
         """The report's text, with a line listing the inputs (and the dims and random integer
