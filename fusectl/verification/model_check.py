@@ -207,11 +207,11 @@ def verify_models(
     shared = (find_shared(reference, candidate) if share and external and chosen == CPU and not upcast
               else SharedInitializers())
     values = ort_values(shared.arrays)
-    # several runs keep both sessions; without their arenas, neither holds one run's
-    # intermediate buffers while the other runs, as one session let go after its run does not
-    arena = checks.runs == 1
-    ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference, values, arena=arena)
-    cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate, values, arena=arena)
+    # several runs keep both sessions, each with its arena shrunk after each run (its intermediate
+    # buffers are not held while the other session runs); measured, arenas off instead let freed
+    # buffers fragment the heap and peak higher
+    ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference, values)
+    cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate, values)
     _check_outputs(ref_sess, reference)
     _check_outputs(cand_sess, candidate)
     _output_tolerances(list(dict.fromkeys(o.name for s in (ref_sess, cand_sess) for o in s.get_outputs())), checks)
@@ -235,10 +235,10 @@ def verify_models(
             )
         # with one run, each session is let go once run: its arena (the graph's intermediate
         # buffers) is not needed to run the other graph or to compare the outputs
-        ref_out = run(ref_sess, feeds, reference)
+        ref_out = run(ref_sess, feeds, reference, shrink=checks.runs > 1)
         if checks.runs == 1:
             del ref_sess
-        cand_out = run(cand_sess, feeds, candidate)
+        cand_out = run(cand_sess, feeds, candidate, shrink=checks.runs > 1)
         if checks.runs == 1:
             del cand_sess
         run_checks = []

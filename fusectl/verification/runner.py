@@ -79,20 +79,16 @@ def ort_values(arrays: Mapping[str, np.ndarray]) -> dict:
     return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
 
-def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None,
-            *, arena: bool = True):
+def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None):
     """An InferenceSession that really runs on ``provider`` (strict fp32: TF32 off on CUDA).
 
     ``initializers`` (OrtValues by name, :func:`ort_values`) replace the model's own tensors of
     those names, so that two sessions can run on one copy; pre-packing is then off, since a
     kernel's packed copy of a shared weight would be one more copy in each session.
-    ``arena=False``: no CPU memory arena, so that a run's intermediate buffers are freed when it
-    ends (for sessions kept alive beside another).
     """
     ort = _ort()
     options = ort.SessionOptions()
     options.log_severity_level = _ORT_SILENT
-    options.enable_cpu_mem_arena = arena
     try:
         for name, value in (initializers or {}).items():
             options.add_initializer(name, value)
@@ -410,10 +406,15 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
     return feeds, specs, named
 
 
-def run(sess, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray | list]:
-    """Every output of ``sess`` by name (a tensor as an array, a sequence as a list of arrays)."""
+def run(sess, feeds: Mapping[str, np.ndarray], what: str, *, shrink: bool = False) -> dict[str, np.ndarray | list]:
+    """Every output of ``sess`` by name (a tensor as an array, a sequence as a list of arrays).
+
+    ``shrink``: the session's CPU arena gives back what it no longer uses when the run ends, for
+    a session kept alive while another runs (its intermediate buffers are then not held twice)."""
     options = _ort().RunOptions()
     options.log_severity_level = _ORT_SILENT
+    if shrink:
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     try:
         names = [o.name for o in sess.get_outputs()]
         return dict(zip(names, sess.run(names, dict(feeds), options)))
