@@ -19,6 +19,7 @@ from ..errors import VerifyError, option, printable, speaking_cli
 from .compare import check_tolerance
 from .report import Check
 
+
 def knob(flag: str, field_name: str) -> str:
     """An :class:`OutputChecks` knob as the caller spells it: ``--tol`` or ``OutputChecks.tolerances``."""
     return flag if speaking_cli() else f"OutputChecks.{field_name}"
