@@ -42,6 +42,7 @@ from .trainer_output import write_trainer_folder
 from .training_output import TARGETS, left_out, model_steps, model_ties, moves_state, write_container, \
     write_training, writes_training
 from .twins import MovedTwin, move_twins
+from .verification.runs import OutputChecks
 from .write import DEFAULT_SHARD_SIZE, write_table
 
 if TYPE_CHECKING:  # imported where a rule is loaded or bound: the rule language and its op
@@ -49,7 +50,7 @@ if TYPE_CHECKING:  # imported where a rule is loaded or bound: the rule language
     from .rules.inverse import InverseProof
     from .rules.schema import RuleSet
 
-__all__ = ["FuseReport", "InspectReport", "Planned", "check_seed", "check_tolerance", "convert", "export",
+__all__ = ["FuseReport", "InspectReport", "OutputChecks", "Planned", "check_seed", "check_tolerance", "convert", "export",
            "fuse", "inspect", "map_names", "name_map_text", "open_input", "plan", "preset_text", "presets", "unfuse", "verify"]
 
 
@@ -1058,7 +1059,7 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
            inputs: Mapping | str | os.PathLike | None = None, seed: int = 0, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, report: str | None = None,
            junit: str | None = None, on_note: Callable[[str], None] | None = None, param_order: str | None = None,
-           param_order_out: str | None = None):
+           param_order_out: str | None = None, output_checks: OutputChecks | None = None):
     """Prove ``candidate`` computes what ``reference`` computes.
 
     Two ``.onnx`` models: both run on onnxruntime with the same inputs and every output is
@@ -1094,6 +1095,10 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
         shapes do not prove it (as :func:`plan`'s).
     :param param_order_out: checkpoints only: the candidate's (the fused model's
         ``named_parameters()`` order, as :func:`fuse` takes it).
+    :param output_checks: models only: an :class:`~fusectl.verification.runs.OutputChecks` of
+        per-output tolerances, the number of seeded runs (the report's ``runs`` gives the pass
+        rate and the worst run) and an ``.npz`` to save the first failing run's inputs to (then
+        ``inputs=`` that file reproduces the failure; nothing is written when every run passes).
     :returns: a :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether
         the candidate computes the same, ``.to_json()`` is the ``--report`` object and
         ``.to_text()`` what ``verify`` prints.
@@ -1110,13 +1115,16 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     fusectl.errors.VerifyError: fixtures/onnx/bert/model.onnx is an ONNX graph but fixtures/onnx/bert/model.safetensors is a checkpoint; ...
     """
     from .verification.checkpoint_check import lora_base_for, plan_for, verify_checkpoints
-    from .verification.inputs_file import load_inputs_file
+    from .verification.inputs_file import load_inputs_file, npz_bytes
     from .verification.report import check_report_destinations
+    from .verification.runs import knob
 
     def is_graph(path) -> bool:
         return not isinstance(path, Checkpoint) and os.fspath(path).endswith(".onnx")
 
-    destinations = {option_name("report"): report, option_name("junit"): junit}
+    checks = output_checks or OutputChecks()
+    save_option = knob("--save-inputs", "save_inputs")
+    destinations = {option_name("report"): report, option_name("junit"): junit, save_option: checks.save_inputs}
     # rules files and the config are inputs too; a preset name is not a path
     named = [p for p in (*map(os.fspath, rules), config) if p and os.path.exists(p)]
     graphs = [is_graph(reference), is_graph(candidate)]
@@ -1138,14 +1146,19 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
         check_report_destinations(destinations, sources)
         arrays = load_inputs_file(inputs_path) if inputs_path is not None else inputs or {}
         result = verify_models(reference, candidate, provider=provider, atol=atol, rtol=rtol,
-                               inputs=arrays, shapes=shapes or {}, dims=dims or {}, seed=seed)
+                               inputs=arrays, shapes=shapes or {}, dims=dims or {}, seed=seed,
+                               output_checks=checks)
     elif any(graphs):
         graph, ckpt = (reference, candidate) if graphs[0] else (candidate, reference)
         raise VerifyError(_graph_with_checkpoint(_label(graph), _label(ckpt)))
     else:
-        used = [name for name, value in (("shapes", shapes), ("dims", dims), ("inputs", inputs)) if value]
+        used = [option_name(name) for name, value in (("shapes", shapes), ("dims", dims), ("inputs", inputs))
+                if value]
+        used += [knob(flag, name) for flag, name, value in (
+            ("--tol", "tolerances", checks.tolerances), ("--runs", "runs", checks.runs != 1),
+            ("--save-inputs", "save_inputs", checks.save_inputs)) if value]
         if used:
-            raise VerifyError(f"{option_name(used[0])} applies to two .onnx models; with checkpoints, verify "
+            raise VerifyError(f"{used[0]} applies to two .onnx models; with checkpoints, verify "
                               "makes its own inputs")
         ref = _checkpoint(reference, config, follow_symlinks, _key_for(reference, key), param_order)
         cand = _checkpoint(candidate, config, follow_symlinks, _key_for(candidate, key), param_order_out)
@@ -1159,7 +1172,11 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
         result = verify_checkpoints(ref, cand, plan_for(cand, rulesets, ref), provider=provider, atol=atol,
                                     rtol=rtol, seed=seed, lora_base=lora_base_for(cand, rulesets, ref),
                                     recorded=not rulesets)
-    result.write(json_path=report, junit_path=junit, inputs=sources, on_note=on_note)
+    failing = getattr(result, "failing_inputs", None)
+    saved = [(checks.save_inputs, lambda: npz_bytes(failing))] if checks.save_inputs and failing is not None else []
+    result.write(json_path=report, junit_path=junit, inputs=sources, on_note=on_note, extra=saved)
+    if checks.save_inputs and not saved and on_note is not None:
+        on_note(f"every run passed, so {save_option} {checks.save_inputs} was not written")
     return result
 
 

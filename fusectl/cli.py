@@ -617,6 +617,30 @@ class ToleranceType(click.ParamType):
             _fail(ctx, str(e))
 
 
+class OutputToleranceType(click.ParamType):
+    """``--tol logits=1e-4,1e-3`` -> ("logits", (0.0001, 0.001)); ``--tol logits=1e-4`` keeps the
+    global (or dtype's) rtol: ("logits", (0.0001, None)). The name is what comes before the last "="."""
+
+    name = "OUTPUT=ATOL[,RTOL]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):  # already converted
+            return value
+        output, sep, numbers = str(value).rpartition("=")
+        try:
+            if not sep or not output:
+                raise FusectlError(f"--tol {printable(str(value))!r}: write OUTPUT=ATOL or OUTPUT=ATOL,RTOL, "
+                                   "for example logits=1e-4,1e-3")
+            atol, comma, rtol = numbers.partition(",")
+            where = f"--tol {printable(output)}"
+            return output, (_api().check_tolerance(where, atol),
+                            _api().check_tolerance(where, rtol) if comma else None)
+        except FusectlError as e:
+            if ctx is None:
+                self.fail(str(e), param, ctx)
+            _fail(ctx, str(e))
+
+
 class SeedType(click.ParamType):
     """``--seed N``: a whole number >= 0, as numpy seeds are (a negative one is refused, not mapped
     onto another seed, so that each seed in a report names one set of inputs)."""
@@ -657,6 +681,12 @@ class SeedType(click.ParamType):
 @click.option("--inputs", "inputs_file", type=click.Path(), default=None,
               help="Model inputs as named arrays in an .npz (default: seeded random).")
 @click.option("--seed", type=SeedType(), default=0, show_default=True, help="Seed of the random inputs (>= 0).")
+@click.option("--tol", "tolerances", multiple=True, type=OutputToleranceType(),
+              help="Tolerances of one output, instead of --atol/--rtol (repeatable; RTOL left out: the global one).")
+@click.option("--runs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Run N seeded input sets (--seed, --seed+1, ...); the report gives the pass rate and the worst run.")
+@click.option("--save-inputs", "save_inputs", type=click.Path(dir_okay=False), default=None, metavar="FILE.npz",
+              help="Write the inputs of the first failing run here; --inputs FILE.npz reproduces it.")
 @click.option("--report", "report_path", type=click.Path(), default=None,
               help="Write the JSON report here (never over an input).")
 @click.option("--junit", "junit_path", type=click.Path(), default=None,
@@ -667,7 +697,7 @@ class SeedType(click.ParamType):
               help="As --param-order, for CANDIDATE's optimizer (the fused model's named_parameters() order), "
                    "where the shapes do not prove it.")
 def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
-               report_path, junit_path, config_path, param_order, param_order_out):
+               tolerances, runs, save_inputs, report_path, junit_path, config_path, param_order, param_order_out):
     """Prove CANDIDATE computes what REFERENCE computes; exit 1 when it does not.
 
     Two .onnx models: both run on onnxruntime with the same inputs and every output is
@@ -682,19 +712,23 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
     Example:
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
+      fusectl verify original.onnx fused.onnx --runs 8 --tol logits=1e-4 --save-inputs failing.npz
     """
     ctx = click.get_current_context()
     parsed = {}
-    for option, pairs in (("--input", input_shapes), ("--dim", dims)):
+    for option, pairs in (("--input", input_shapes), ("--dim", dims), ("--tol", tolerances)):
         parsed[option] = {}
         for name, value in pairs:
             if parsed[option].get(name, value) != value:
-                _fail(ctx, f"{option} {printable(name)} is given twice with different sizes; give it once")
+                what = "tolerances" if option == "--tol" else "sizes"
+                _fail(ctx, f"{option} {printable(name)} is given twice with different {what}; give it once")
             parsed[option][name] = value
     report = _api().verify(reference, candidate, rules=rules, provider=provider, atol=atol, rtol=rtol,
                         shapes=parsed["--input"], dims=parsed["--dim"], inputs=inputs_file, seed=seed,
                         config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note,
-                        param_order=param_order, param_order_out=param_order_out)
+                        param_order=param_order, param_order_out=param_order_out,
+                        output_checks=_api().OutputChecks(tolerances=parsed["--tol"], runs=runs,
+                                                          save_inputs=save_inputs))
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)

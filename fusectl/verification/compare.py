@@ -1,10 +1,15 @@
 """Element-wise comparison with Polygraphy's rule: an element fails when |a−b| > atol AND
-|a−b| > rtol·|ref|; NaN fails unless NaN on both sides; ±inf equals only the same infinity."""
+|a−b| > rtol·|ref|; NaN fails unless NaN on both sides; ±inf equals only the same infinity.
+
+A comparison also counts, per side, its NaN, +inf and -inf elements (``nonfinite``) and the
+elements finite on both sides that its statistics cover (``compared``): two outputs that are NaN
+at the same places match, but compared nothing, which verify's model mode does not call a pass.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -33,10 +38,40 @@ class Comparison:
     min_rtol: float
     first_mismatch: list[int] | None
     note: str = ""
+    # elements the statistics cover: finite on both sides (every element, for exact comparisons)
+    compared: int = 0
+    # per side ("reference", "candidate"): its count of "nan", "+inf" and "-inf" elements
+    nonfinite: dict[str, dict[str, int]] = field(default_factory=lambda: no_nonfinite())
 
     def to_json(self) -> dict:
         """The comparison as reports write it: every field, by name."""
         return asdict(self)
+
+
+_NONFINITE = ("nan", "+inf", "-inf")
+
+
+def no_nonfinite() -> dict[str, dict[str, int]]:
+    """Non-finite counts of two arrays that hold none (or are not numbers)."""
+    return {side: dict.fromkeys(_NONFINITE, 0) for side in ("reference", "candidate")}
+
+
+def _count_nonfinite(values: np.ndarray, nan: np.ndarray, counts: dict[str, int]) -> None:
+    """Add the NaN, +inf and -inf elements of ``values`` (float64 or complex128, with its NaN
+    mask ``nan``) to ``counts``. A complex infinity takes the sign of its infinite part (the real
+    one when both are)."""
+    infinite = np.isinf(values)
+    if not infinite.any():
+        counts["nan"] += int(np.count_nonzero(nan))
+        return
+    if np.iscomplexobj(values):
+        part = np.where(np.isinf(values.real), values.real, values.imag)
+    else:
+        part = values
+    positive = int(np.count_nonzero(infinite & (part > 0)))
+    counts["nan"] += int(np.count_nonzero(nan))
+    counts["+inf"] += positive
+    counts["-inf"] += int(np.count_nonzero(infinite)) - positive
 
 
 def check_tolerance(option: str, value) -> float:
@@ -199,7 +234,8 @@ def _compare_exactly(name: str, reference: np.ndarray, candidate: np.ndarray,
     unreachable = math.inf if mismatches else 0.0
     return Comparison(name, str(reference.dtype), list(reference.shape), mismatches == 0, atol, rtol,
                       mismatches, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, unreachable, unreachable,
-                      _index(first, reference.shape), note=f"{reference.dtype} compared exactly")
+                      _index(first, reference.shape), note=f"{reference.dtype} compared exactly",
+                      compared=int(reference.size))
 
 
 def _index(flat: int | None, shape: tuple[int, ...]) -> list[int] | None:
@@ -238,11 +274,15 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
     first = first_inf = None
     max_abs = sum_abs = max_rel = sum_rel = needs_atol = needs_rtol = 0.0
     p99s = _P99s()
+    nonfinite = no_nonfinite()
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for start, (reference_chunk, candidate_chunk) in _chunks(reference, candidate):
             ref, cand, ref_nan, cand_nan, finite, diff, magnitude, rel = _chunk_errors(
                 reference_chunk, candidate_chunk, wide)
             nan_mismatch = ref_nan ^ cand_nan
+            if not finite.all():
+                _count_nonfinite(ref, ref_nan, nonfinite["reference"])
+                _count_nonfinite(cand, cand_nan, nonfinite["candidate"])
             inf_mismatch = ~finite & ~ref_nan & ~cand_nan & (ref != cand)
             if atol == 0 and rtol == 0:  # exact: int64 beyond 2**53 would round equal through float64
                 beyond = finite & np.broadcast_to(np.asarray(reference_chunk != candidate_chunk, dtype=bool),
@@ -288,5 +328,5 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray,
     return Comparison(
         name, dtype, shape, mismatches == 0, atol, rtol, mismatches,
         max_abs, mean_abs, p99_abs, max_rel, mean_rel, p99_rel, min_atol, min_rtol, _index(first, reference.shape),
-        note="; ".join(notes),
+        note="; ".join(notes), compared=covered, nonfinite=nonfinite,
     )

@@ -11,6 +11,7 @@ unpickled. The archive is parsed by the npz reader's own header parser
 
 from __future__ import annotations
 
+import io
 import math
 import zipfile
 from dataclasses import dataclass
@@ -122,6 +123,18 @@ def load_inputs_file(path: str | None) -> Mapping[str, np.ndarray]:
                 raise VerifyError(f"{what}: holds two arrays named {quote(member.name)}; keep one")
             members[member.name] = member
     return InputsFile(path, members)
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """``arrays`` as an .npz (``np.savez``, uncompressed, no pickles) that :func:`load_inputs_file`
+    reads back: what ``--save-inputs`` writes.
+
+    >>> np.load(io.BytesIO(npz_bytes({"x": np.zeros(2, np.float32)}))).files
+    ['x']
+    """
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **{name: np.asarray(array) for name, array in arrays.items()})
+    return buffer.getvalue()
 
 
 def _read_header(f, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:

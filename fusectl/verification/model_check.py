@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -9,7 +10,7 @@ from typing import Mapping
 import ml_dtypes
 import numpy as np
 
-from ..errors import CheckpointError, VerifyError, printable, quote
+from ..errors import CheckpointError, VerifyError, option_name, printable, quote
 from ..onnx.graph import external_data_files, load_model
 from ..tolerance import default_tolerance
 from .compare import check_tolerance, compare
@@ -18,9 +19,10 @@ from .inputs_file import load_inputs_file
 from .report import Check, VerifyReport
 from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, ort_values,
                      random_integer_inputs, resolve_provider, run, session)
+from .runs import OutputChecks, RunTally, compared_nothing, knob
 from .shared_initializers import SharedInitializers, find_shared
 
-__all__ = ["ModelVerifyReport", "load_inputs_file", "model_input_paths", "verify_models"]
+__all__ = ["ModelVerifyReport", "OutputChecks", "load_inputs_file", "model_input_paths", "verify_models"]
 from .upcast import has_bfloat16, upcast_bfloat16
 
 
@@ -32,10 +34,16 @@ class ModelVerifyReport(VerifyReport):
 
     dims: dict[str, int] = field(default_factory=dict)
     shared: dict[str, int] = field(default_factory=lambda: SharedInitializers().to_json())
+    # the seeded runs (``RunTally.to_json``): None for a report made by hand
+    runs: dict | None = None
+    # the inputs of the first failing run, for ``--save-inputs`` (not in the JSON)
+    failing_inputs: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        """The report's JSON (``--report``), with ``shared_initializers`` and the named ``dims`` added."""
-        return {**super().to_json(), "shared_initializers": dict(self.shared), "dims": dict(self.dims)}
+        """The report's JSON (``--report``), with ``shared_initializers``, the named ``dims`` and
+        the ``runs`` added."""
+        return {**super().to_json(), "shared_initializers": dict(self.shared), "runs": self.runs,
+                "dims": dict(self.dims)}
 
     def to_text(self) -> str:
         """The report's text, with a line listing the inputs (and the dims and random integer
@@ -53,7 +61,25 @@ class ModelVerifyReport(VerifyReport):
         if self.shared["count"]:
             line += (f"\n  shared: {self.shared['count']} initializer(s), {self.shared['bytes'] / 1e6:.1f} MB "
                      "loaded once for both sessions")
+        if self.runs and self.runs["count"] > 1:
+            line += "\n" + self._runs_text()
         return "\n".join([head, line, *rest])
+
+    def _runs_text(self) -> str:
+        """The runs' lines: the pass rate, the worst run (whose checks follow), each failing output."""
+        runs, worst = self.runs, self.runs["worst"]
+        first, last = runs["seeds"]
+        lines = [f"  runs: {runs['passed']} of {runs['count']} passed ({runs['pass_rate']:.0%}), seeds {first}-{last}; "
+                 f"checks below are of the worst run, seed {worst['seed']}"
+                 + (f" ({len(worst['failed'])} failed)" if worst["failed"] else "")]
+        for name, entry in runs["outputs"].items():
+            if entry["failed_runs"]:
+                tolerance = ("no finite tolerance would pass" if math.isinf(entry["min_atol"])
+                             or math.isinf(entry["min_rtol"]) else
+                             f"every run would pass with atol {entry['min_atol']:.3g} or rtol {entry['min_rtol']:.3g}")
+                lines.append(f"  runs failed by {printable(name)}: {entry['failed_runs']} of {runs['count']}; "
+                             f"max abs {entry['max_abs']:.3g}; {tolerance}")
+        return "\n".join(lines)
 
 
 class _Float32Inputs(Mapping[str, np.ndarray]):
@@ -130,6 +156,14 @@ def _output_checks(name: str, expected, got, atol, rtol) -> list[Check]:
             for check in _output_checks(f"{name}[{i}]", a, b, atol, rtol)]
 
 
+def _output_tolerances(names: list[str], checks: OutputChecks) -> None:
+    """Every ``--tol`` names an output of one of the graphs."""
+    for name in checks.tolerances:
+        if name not in names:
+            raise VerifyError(f"{knob('--tol', 'tolerances')} {printable(name)}: neither graph has an output "
+                              f"named {quote(name)}; their outputs are {', '.join(map(printable, names))}")
+
+
 def verify_models(
     reference: str,
     candidate: str,
@@ -142,6 +176,7 @@ def verify_models(
     dims: Mapping[str, int] | None = None,
     seed: int = 0,
     share: bool = True,
+    output_checks: OutputChecks | None = None,
 ) -> ModelVerifyReport:
     """Run ``reference`` and ``candidate`` with identical inputs and compare outputs by name.
 
@@ -150,7 +185,16 @@ def verify_models(
     :func:`fusectl.verification.runner.resolve_shapes`. On CPU, initializers both graphs hold
     alike in external data are loaded once for both sessions
     (:mod:`fusectl.verification.shared_initializers`; ``share=False`` loads each graph on its own).
+    ``output_checks`` (:class:`OutputChecks`): per-output tolerances, and how many seeded runs;
+    with several, the report's checks are the worst run's (the most failing checks, then the most
+    mismatched elements, then the earliest), ``runs`` holds the pass rate and each output's worst
+    statistics, and ``failing_inputs`` the first failing run's inputs. An output check that
+    compared no finite element fails.
+
+    :raises VerifyError: see :func:`fusectl.api.verify`; also a ``tolerances`` name that is no
+        output, and several runs when every input is given (each run would be the same).
     """
+    checks = output_checks or OutputChecks()
     atol = None if atol is None else check_tolerance("atol", atol)
     rtol = None if rtol is None else check_tolerance("rtol", rtol)
     seed = check_seed(seed)
@@ -163,35 +207,56 @@ def verify_models(
     shared = (find_shared(reference, candidate) if share and external and chosen == CPU and not upcast
               else SharedInitializers())
     values = ort_values(shared.arrays)
+    # several runs keep both sessions, each with its arena shrunk after each run (its intermediate
+    # buffers are not held while the other session runs); measured, arenas off instead let freed
+    # buffers fragment the heap and peak higher
     ref_sess = session(upcast_bfloat16(reference) if upcast else reference, chosen, reference, values)
     cand_sess = session(upcast_bfloat16(candidate) if upcast else candidate, chosen, candidate, values)
     _check_outputs(ref_sess, reference)
     _check_outputs(cand_sess, candidate)
+    _output_tolerances(list(dict.fromkeys(o.name for s in (ref_sess, cand_sess) for o in s.get_outputs())), checks)
     given = _Float32Inputs(inputs or {}) if upcast else (inputs or {})
+    random_inputs = [m.name for m in ref_sess.get_inputs() if m.name not in set(given)]
+    if checks.runs > 1 and not random_inputs:
+        raise VerifyError(f"{knob('--runs', 'runs')} {checks.runs} runs seeded random inputs, but "
+                          f"{option_name('inputs')} gives every input, so each run would be the same; leave "
+                          f"one out or drop {knob('--runs', 'runs')}")
     ranges = _integer_ranges(list(dict.fromkeys([reference, candidate])), random_integer_inputs(ref_sess, given))
-    feeds, specs, named = make_inputs(ref_sess, given, shapes or {}, dims or {}, seed, reference,
-                                      hints=declared_shapes(cand_sess), ranges=ranges)
-    cand_inputs = {m.name for m in cand_sess.get_inputs()}
-    if cand_inputs != set(feeds):
-        raise VerifyError(
-            f"{candidate}: its inputs {sorted(cand_inputs)} differ from {reference}'s {sorted(feeds)}"
-        )
-    # each session is let go once run: its arena (the graph's intermediate buffers) is not needed
-    # to run the other graph or to compare the outputs
-    ref_out = run(ref_sess, feeds, reference)
-    del ref_sess
-    cand_out = run(cand_sess, feeds, candidate)
-    del cand_sess
+    default_atol, default_rtol = default_tolerance(ml_dtypes.bfloat16) if upcast else (None, None)
+    base_atol, base_rtol = default_atol if atol is None else atol, default_rtol if rtol is None else rtol
+    tally = RunTally(seed)
+    for index in range(checks.runs):
+        feeds, specs, named = make_inputs(ref_sess, given, shapes or {}, dims or {}, seed + index, reference,
+                                          hints=declared_shapes(cand_sess), ranges=ranges)
+        cand_inputs = {m.name for m in cand_sess.get_inputs()}
+        if cand_inputs != set(feeds):
+            raise VerifyError(
+                f"{candidate}: its inputs {sorted(cand_inputs)} differ from {reference}'s {sorted(feeds)}"
+            )
+        # with one run, each session is let go once run: its arena (the graph's intermediate
+        # buffers) is not needed to run the other graph or to compare the outputs
+        ref_out = run(ref_sess, feeds, reference, shrink=checks.runs > 1)
+        if checks.runs == 1:
+            del ref_sess
+        cand_out = run(cand_sess, feeds, candidate, shrink=checks.runs > 1)
+        if checks.runs == 1:
+            del cand_sess
+        run_checks = []
+        for name, expected in ref_out.items():
+            if name not in cand_out:
+                run_checks.append(Check("output", name, False, detail=f"{candidate} has no output {name!r}"))
+                continue
+            out_atol, out_rtol = checks.tolerances.get(name, (base_atol, None))
+            out_rtol = base_rtol if out_rtol is None else out_rtol
+            run_checks += map(compared_nothing, _output_checks(name, expected, cand_out[name], out_atol, out_rtol))
+        for name in sorted(set(cand_out) - set(ref_out)):
+            run_checks.append(Check("output", name, False, detail=f"{reference} has no output {name!r}"))
+        del ref_out, cand_out  # one run's outputs at a time
+        tally.add(seed + index, run_checks, feeds)
+        del feeds
     report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named, shared=shared.to_json(),
                                precision="fp32-upcast" if upcast else "native",
-                               inputs=[_input_entry(s) for s in specs])
-    for name, expected in ref_out.items():
-        if name not in cand_out:
-            report.checks.append(Check("output", name, False, detail=f"{candidate} has no output {name!r}"))
-            continue
-        default_atol, default_rtol = default_tolerance(ml_dtypes.bfloat16) if upcast else (None, None)
-        report.checks += _output_checks(name, expected, cand_out[name], default_atol if atol is None else atol,
-                                        default_rtol if rtol is None else rtol)
-    for name in sorted(set(cand_out) - set(ref_out)):
-        report.checks.append(Check("output", name, False, detail=f"{reference} has no output {name!r}"))
+                               inputs=[_input_entry(s) for s in specs], runs=tally.to_json(),
+                               failing_inputs=tally.failing_inputs)
+    report.checks = list(tally.worst[3])
     return report

@@ -24,6 +24,15 @@ def _would_pass(m: Comparison) -> str:
     return f"would pass with atol {m.min_atol:.3g} or rtol {m.min_rtol:.3g}"
 
 
+def _nonfinite_text(m: Comparison) -> str:
+    """"; NaN/+inf/-inf reference 4/0/0, candidate 4/0/0" where either side has any, else ""."""
+    sides = [m.nonfinite[side] for side in ("reference", "candidate")]
+    if not any(any(counts.values()) for counts in sides):
+        return ""
+    reference, candidate = ("/".join(str(counts[k]) for k in ("nan", "+inf", "-inf")) for counts in sides)
+    return f"; NaN/+inf/-inf reference {reference}, candidate {candidate}"
+
+
 @dataclass(frozen=True)
 class Check:
     """One thing verify checked: a model output, a tensor, the inverse, the ties, a probe."""
@@ -98,10 +107,11 @@ class VerifyReport:
                 line += (f"  {m.dtype}{m.shape}: max abs {m.max_abs:.3g}, mean {m.mean_abs:.3g}, "
                          f"p99 {m.p99_abs:.3g}; max rel {m.max_rel:.3g}, p99 {m.p99_rel:.3g}; "
                          f"atol {m.atol:g} rtol {m.rtol:g}")
-                if not m.passed:
+                if not m.passed and m.mismatches:
                     line += f"; {m.mismatches} element(s) differ, first at {m.first_mismatch}; {_would_pass(m)}"
                 if m.note:
                     line += f"; {m.note}"
+                line += _nonfinite_text(m)
             if c.detail:
                 line += f"  ({c.detail})"
             lines.append(line)
@@ -134,8 +144,10 @@ class VerifyReport:
         return (json.dumps(self.to_json(), indent=2) + "\n").encode()
 
     def write(self, *, json_path: str | None = None, junit_path: str | None = None,
-              inputs: Sequence[str] = (), on_note: Callable[[str], None] | None = None) -> None:
-        """Write the JSON report to ``json_path`` and JUnit XML to ``junit_path`` (either may be None).
+              inputs: Sequence[str] = (), on_note: Callable[[str], None] | None = None,
+              extra: Sequence[tuple[str, Callable[[], bytes]]] = ()) -> None:
+        """Write the JSON report to ``json_path`` and JUnit XML to ``junit_path`` (either may be None),
+        and each ``extra`` (path, what to write there) alike (``--save-inputs``).
 
         Each file is written under a temporary name beside it, flushed to disk and renamed into
         place (:func:`fusectl.io.atomic.atomic_output`), both renamed only once both are written:
@@ -155,8 +167,8 @@ class VerifyReport:
         True
         >>> import shutil; shutil.rmtree(out.parent)
         """
-        files = [(path, render) for path, render in ((json_path, self.to_json_bytes), (junit_path, self.to_junit))
-                 if path]
+        files = [(path, render) for path, render in ((json_path, self.to_json_bytes), (junit_path, self.to_junit),
+                                                     *extra) if path]
         streams = [(path, render) for path, render in files if _is_stream(path)]
         for path, render in streams:
             _write_stream(path, render())

@@ -406,10 +406,15 @@ def make_inputs(sess, given: Mapping[str, np.ndarray], shapes: Mapping[str, tupl
     return feeds, specs, named
 
 
-def run(sess, feeds: Mapping[str, np.ndarray], what: str) -> dict[str, np.ndarray | list]:
-    """Every output of ``sess`` by name (a tensor as an array, a sequence as a list of arrays)."""
+def run(sess, feeds: Mapping[str, np.ndarray], what: str, *, shrink: bool = False) -> dict[str, np.ndarray | list]:
+    """Every output of ``sess`` by name (a tensor as an array, a sequence as a list of arrays).
+
+    ``shrink``: the session's CPU arena gives back what it no longer uses when the run ends, for
+    a session kept alive while another runs (its intermediate buffers are then not held twice)."""
     options = _ort().RunOptions()
     options.log_severity_level = _ORT_SILENT
+    if shrink:
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     try:
         names = [o.name for o in sess.get_outputs()]
         return dict(zip(names, sess.run(names, dict(feeds), options)))
