@@ -255,7 +255,8 @@ to_option = click.option(
     help="Write a training checkpoint (model and optimizer) to the -o folder as a torch.distributed.checkpoint "
          "folder (dcp: dcp.load reads it on any number of ranks) or a DeepSpeed universal checkpoint "
          "(ds-universal: DeepSpeed resumes from it on any world size); or write the model (megatron-core's "
-         "names) as a Megatron-LM legacy save at --tp x --pp (megatron; no optimizer state).")
+         "names) as a Megatron-LM legacy save at --tp x --pp (megatron: each rank's Adam state split like its "
+         "parameters, the scheduler kept).")
 tp_option = click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
                          help="With --to megatron: the tensor-parallel size (default 1).")
 pp_option = click.option("--pp", "pp", type=click.IntRange(min=1), default=None, metavar="M",
