@@ -94,7 +94,8 @@ DISTRIB_OPTIM = "distrib_optim.pt"
 _ITERATION_BYTES = 32
 _COMPARED_BYTES = 1 << 20  # copies up to this size are compared bitwise, larger ones by shape and dtype
 _LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
-_EXPERT = re.compile(r"(.*\.experts\.local_experts\.)([0-9]+)(\..*)")
+# an expert of an MoE layer (SequentialMLP): (prefix, its index, the rest); the writer renumbers it too
+EXPERT = re.compile(r"(.*\.experts\.local_experts\.)([0-9]+)(\..*)")
 _GROUPED_EXPERT = re.compile(r".*\.experts\.linear_fc[12]\.(weight|bias)[0-9]+")
 _NEVER = "Megatron-LM never writes one; the file is corrupt"
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
@@ -301,7 +302,7 @@ def _global_name(local: str, offset: int, ep_rank: int, per_rank: int, path: str
     if m is None:
         return local
     name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-    expert = _EXPERT.fullmatch(name)
+    expert = EXPERT.fullmatch(name)
     if expert is not None and per_rank:
         i = int(expert.group(2))
         if i >= per_rank:
@@ -332,8 +333,8 @@ def _model(par: Parallelism, files: dict, trees: dict) -> tuple[dict[str, _Globa
                 local = list(model)
                 if t > 0 and local != list(trees[(0, p, e)]["model"]):
                     raise _disagree(path, files[(0, p, e)], local, list(trees[(0, p, e)]["model"]))
-                if e > 0 and [n for n in local if not _EXPERT.fullmatch(n)] != \
-                        [n for n in reference if not _EXPERT.fullmatch(n)]:
+                if e > 0 and [n for n in local if not EXPERT.fullmatch(n)] != \
+                        [n for n in reference if not EXPERT.fullmatch(n)]:
                     raise _disagree(path, first, local, reference)
                 for key in local:
                     if par.ep > 1 and _GROUPED_EXPERT.fullmatch(key):
@@ -375,10 +376,10 @@ def _merge_experts(segments: list[list[str]]) -> list[str]:
     for i, name in enumerate(segments[0]):
         out.append(name)
         seen.add(name)
-        ends_run = _EXPERT.fullmatch(name) and (i + 1 == len(segments[0]) or
-                                                not _EXPERT.fullmatch(segments[0][i + 1]))
+        ends_run = EXPERT.fullmatch(name) and (i + 1 == len(segments[0]) or
+                                                not EXPERT.fullmatch(segments[0][i + 1]))
         if ends_run:
-            prefix = _EXPERT.fullmatch(name).group(1)
+            prefix = EXPERT.fullmatch(name).group(1)
             for other in segments[1:]:
                 for n in other:
                     if n not in seen and n.startswith(prefix):
