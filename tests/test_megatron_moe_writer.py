@@ -6,7 +6,9 @@ experts numbered from 0) and moe-tp2-legacy (TP=2: every expert on both ranks, s
 linears) were saved by the real megatron-core 0.16.1 after three Adam steps
 (fixtures/generate_megatron.py). Both sides are read with fusectl's torch reader and compared by
 bytes. With megatron-core (/work/venvs/megatron; skipped where absent) fusectl's EP=1 reshard of
-moe-ep2-legacy loads strictly and reproduces the logits megatron computed before saving.
+moe-ep2-legacy loads strictly and reproduces the logits megatron computed before saving. A
+Hugging Face Mixtral fusectl did not write goes to Megatron's ranks with the preset
+mixtral-to-megatron-moe.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ok, refused
+from conftest import FIXTURES, ok, refused, with_provenance
 
 from fusectl.errors import PlanError
 from fusectl.io.formats import megatron_writer
@@ -26,6 +28,7 @@ from fusectl.io.formats.megatron import read_megatron
 from fusectl.io.formats.megatron_writer import rank_models, sizes_of
 
 from test_megatron_optimizer import assert_same, assert_same_training, rank_files
+from test_megatron_writer import assert_same_ranks
 
 MEGATRON = FIXTURES / "megatron"
 OWN = {"moe-ep2-legacy": ("--ep", "2"), "moe-tp2-legacy": ("--tp", "2")}
@@ -118,6 +121,37 @@ def test_each_ep_rank_holds_its_experts_numbered_from_zero(cli, tmp_path):
             assert dense.read().tobytes() == files[f"mp_rank_{t:02d}_000"]["model"][
                 "decoder.layers.0.self_attention.linear_qkv.weight"].read().tobytes()
     assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight" in whole
+
+
+# ------------------------------------------------------------------------------- Hugging Face Mixtral
+
+
+@pytest.mark.parametrize("variant, flags", [("moe-ep2", ("--ep", "2")), ("moe-tp2", ("--tp", "2"))])
+def test_mixtral_without_provenance_goes_to_megatrons_own_rank_files(cli, tmp_path, variant, flags):
+    """megatron's gathered parameters as a Mixtral (megatron-moe-to-mixtral, its provenance then
+    removed: a Hub checkpoint), through mixtral-to-megatron-moe straight to rank files at the
+    variant's parallelism: megatron's own files' models, bitwise; args from the Mixtral config."""
+    config = MEGATRON / "hf-config" / "mixtral" / "config.json"
+    fused, hub = tmp_path / "fused", tmp_path / "hub"
+    ok(cli("fuse", MEGATRON / "reference" / f"{variant}-full.safetensors", "-r", "megatron-moe-to-mixtral",
+           "--config", config, "-o", fused))
+    hub.mkdir()
+    with_provenance(fused / "model.safetensors", hub / "model.safetensors")
+    (hub / "config.json").write_text(config.read_text())
+    out = tmp_path / "out"
+    ok(cli("fuse", hub, "-r", "mixtral-to-megatron-moe", "--to", "megatron", *flags, "-o", out))
+    assert_same_ranks(out, MEGATRON / f"{variant}-legacy")
+    args = rank_files(out)[sorted(rank_files(out))[0]]["args"]
+    assert (args.field("num_experts"), args.field("moe_router_topk"), args.field("num_query_groups")) == (4, 2, 2)
+
+
+def test_transformers5_in_memory_layout_is_refused_by_name(cli, tmp_path):
+    """transformers 5's in-memory layout (mlp.gate, experts fused as gate_up_proj) is not the file
+    layout the preset maps: the plan stops, naming a tensor it found, before anything is written."""
+    out = tmp_path / "out"
+    refused(cli("fuse", FIXTURES / "moe-hf5" / "tiny-mixtral.hf5-memory.safetensors", "-r", "mixtral-to-megatron-moe",
+                "--config", FIXTURES / "moe-hf5" / "tiny-mixtral" / "config.json", "--to", "megatron", "-o", out),
+            "rule 'router'", "'model.layers.1.mlp.gate.weight'", unwritten=[out])
 
 
 # ------------------------------------------------------------------------------- refusals

@@ -116,7 +116,7 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
         if parallel_kind(name, True, 2) is None:
             raise PlanError(f"{where}: {quote(name)} is not a tensor of megatron-core's GPT (TP=1 names), so "
                             "fusectl cannot tell how Megatron splits it; convert a Hugging Face Llama with the "
-                            "llama-to-megatron-gpt preset first")
+                            "llama-to-megatron-gpt preset (a Mixtral with mixtral-to-megatron-moe) first")
     layers = {int(m.group(1)) for m in map(_LAYER.fullmatch, tensors) if m}
     if not layers or layers != set(range(len(layers))):
         raise PlanError(f"{where}: holds layers {sorted(layers)[:8]}; a megatron-core GPT has decoder.layers.0 … "
