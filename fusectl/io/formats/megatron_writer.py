@@ -16,8 +16,9 @@ for any legacy save, or what the preset ``llama-to-megatron-gpt`` makes of a Hug
   groups must divide by TP); of a SwiGLU ``linear_fc1`` ``[gate_r; up_r]``; of a row-parallel
   weight (``linear_proj``, ``linear_fc2``) columns ``r·n/TP …``; a replicated tensor (norms,
   row-parallel biases) whole;
-- PP stage p holds layers ``p·L/PP …``, numbered from 0; the embedding only on stage 0; the final
-  norm and the output layer only on the last (a tied head is stored there too at PP > 1, as
+- PP stage p holds layers ``p·L/PP …``, numbered from 0 (where a name's layer index is, and what
+  only the first or last stage holds: the layout file's ``[pipeline]``, as the reader reads it);
+  the embedding only on stage 0; the final norm and the output layer only on the last (a tied head is stored there too at PP > 1, as
   megatron-core keeps its copy of the embedding on the last stage; at PP = 1 it is not stored).
 
 Row pieces are file ranges of the input where it has them (nothing read but what is copied);
@@ -28,7 +29,7 @@ at a time. The sizes the split needs come from the tensors and a config: Megatro
 
 An MoE model (every layer's MLP a ``router`` and experts ``mlp.experts.local_experts.N``, the
 SequentialMLP's names) is written at TP × PP × EP: EP rank e holds experts ``e·E/EP …``
-renumbered from 0 (the folder ``mp_rank_TT[_PPP]_EEE`` at EP > 1), each expert's linears split
+renumbered from 0 (the layout file's ``[experts]``) (the folder ``mp_rank_TT[_PPP]_EEE`` at EP > 1), each expert's linears split
 over TP as the dense ones are (megatron-core's expert tensor parallelism equal to TP); the
 dense part (attention, norms, router, embedding, head) whole on every EP rank, as megatron-core
 keeps it data-parallel there. Experts that do not divide over EP, an ``ep`` above 1 for a dense
@@ -66,16 +67,15 @@ from ...rules.parallel import Ledger
 from ...tensors import LazyTensor, TensorSpec
 from ..sniff import MEGATRON_LATEST
 from .chunks import assemble, cut
-from .megatron import EXPERT, LAYOUT, RANK_FILE, RECORDS, parallel_kind, rank_folder
+from .megatron import EXPERTS, LAYERS, LAYOUT, RANK_FILE, RECORDS, parallel_kind, rank_folder
 from .torch_writer import write_torch_file
 
 CHECKPOINT_VERSION = 3.0
-_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _HOW = "a config.json (Hugging Face) with num_attention_heads and num_key_value_heads"
 # megatron-core's module order within a layer (local and Transformer Engine specs)
-_MODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
-            "mlp.router.", "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.experts.")
-_EXPERT_MODULES = ("linear_fc1.", "linear_fc2.")
+_MODULES = (".input_layernorm.", ".self_attention.linear_proj.", ".self_attention.linear_qkv.",
+            ".pre_mlp_layernorm.", ".mlp.router.", ".mlp.linear_fc1.", ".mlp.linear_fc2.", ".mlp.experts.")
+_EXPERT_MODULES = (".linear_fc1.", ".linear_fc2.")
 _TOP_FIRST = ("embedding.word_embeddings.", "embedding.position_embeddings.")
 _TOP_LAST = ("decoder.final_layernorm.", "output_layer.")
 _LINEAR = re.compile(r"(.*(?:linear_proj|linear_qkv|linear_fc1|linear_fc2)|output_layer)\.[a-z_]+")
@@ -113,11 +113,12 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
         that do not all hold the same experts, a name megatron-core's GPT does not have.
     """
     for name in tensors:
-        if parallel_kind(name, True, 2) is None:
+        if parallel_kind(name, True, 2) is None or LAYERS.index(name) is None and LAYOUT.stage(name, 2) is None:
             raise PlanError(f"{where}: {quote(name)} is not a tensor of megatron-core's GPT (TP=1 names), so "
-                            "fusectl cannot tell how Megatron splits it; convert a Hugging Face Llama with the "
-                            "llama-to-megatron-gpt preset (a Mixtral with mixtral-to-megatron-moe) first")
-    layers = {int(m.group(1)) for m in map(_LAYER.fullmatch, tensors) if m}
+                            "fusectl cannot tell how Megatron splits it or which stage holds it; convert a Hugging "
+                            "Face Llama with the llama-to-megatron-gpt preset (a Mixtral with "
+                            "mixtral-to-megatron-moe) first")
+    layers = {i for i in map(LAYERS.index, tensors) if i is not None}
     if not layers or layers != set(range(len(layers))):
         raise PlanError(f"{where}: holds layers {sorted(layers)[:8]}; a megatron-core GPT has decoder.layers.0 … "
                         "without gaps")
@@ -156,10 +157,9 @@ def _experts(tensors: Mapping[str, LazyTensor], layers: int, where: str) -> int:
     :raises PlanError: naming the first layer that differs."""
     found: list[set[int]] = [set() for _ in range(layers)]
     for name in tensors:
-        m = EXPERT.fullmatch(name)
-        layer = _LAYER.fullmatch(name)
-        if m is not None and layer is not None:
-            found[int(layer.group(1))].add(int(m.group(2)))
+        expert, layer = EXPERTS.index(name), LAYERS.index(name)
+        if expert is not None and layer is not None:
+            found[layer].add(expert)
     count = len(found[0])
     for layer, indices in enumerate(found):
         router = f"decoder.layers.{layer}.mlp.router.weight"
@@ -233,24 +233,23 @@ def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     return assemble(TensorSpec(tensor.spec.dtype, local), pieces)
 
 
-def _module_rank(local: str) -> tuple[int, int, int]:
-    """Where a layer's entry ``local`` sits in megatron-core's module order: its module, then an
+def _module_rank(name: str) -> tuple[int, int, int]:
+    """Where a layer's entry ``name`` sits in megatron-core's module order: its module, then an
     expert's index and its linear."""
-    rank = next((i for i, m in enumerate(_MODULES) if local.startswith(m)), len(_MODULES))
-    m = EXPERT.fullmatch(local)
-    if m is None:
+    rank = next((i for i, m in enumerate(_MODULES) if m in name), len(_MODULES))
+    expert = EXPERTS.index(name)
+    if expert is None:
         return rank, 0, 0
-    inner = next((i for i, e in enumerate(_EXPERT_MODULES) if m.group(3)[1:].startswith(e)), len(_EXPERT_MODULES))
-    return rank, int(m.group(2)), inner
+    return rank, expert, next((i for i, m in enumerate(_EXPERT_MODULES) if m in name), len(_EXPERT_MODULES))
 
 
 def _order(names: Sequence[str]) -> list[str]:
     """``names`` in megatron-core's state-dict order (the input's order within a module)."""
     def key(item: tuple[int, str]) -> tuple:
         i, name = item
-        m = _LAYER.fullmatch(name)
-        if m is not None:
-            return (1, int(m.group(1)), *_module_rank(m.group(2)), i)
+        layer = LAYERS.index(name)
+        if layer is not None:
+            return (1, layer, *_module_rank(name), i)
         first = next((j for j, p in enumerate(_TOP_FIRST) if name.startswith(p)), None)
         if first is not None:
             return (0, first, 0, 0, 0, i)
@@ -283,28 +282,20 @@ class Rank:
 
 def local_name(name: str, rank: Rank, sizes: GptSizes) -> str | None:
     """The name ``rank`` holds the whole model's tensor ``name`` by, or None where it holds none of
-    it: a layer numbered from 0 in its stage, an expert from 0 on its EP rank; the embedding on
-    the first stage, the final norm and the head on the last.
+    it: a layer numbered from 0 in its stage, an expert from 0 on its EP rank; a name outside the
+    layers on the stage the layout's ``[pipeline]`` says (the embedding on the first, the final
+    norm and the head on the last).
 
     >>> sizes = GptSizes(2, 16, 32, 4, 2, 4, 64, True, False, False, 4)
     >>> local_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", Rank(0, 1, 1, 1, 2, 2), sizes)
     'decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight'
     """
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        first = name.startswith("embedding.")
-        return name if (rank.p == 0 if first else rank.p == rank.pp - 1) else None
-    per_stage, layer = sizes.num_layers // rank.pp, int(m.group(1))
-    if not rank.p * per_stage <= layer < (rank.p + 1) * per_stage:
-        return None
-    local = f"decoder.layers.{layer - rank.p * per_stage}.{m.group(2)}"
-    expert = EXPERT.fullmatch(local)
-    if expert is None:
+    if LAYERS.index(name) is None:
+        return name if LAYOUT.stage(name, rank.pp) == rank.p else None
+    local = LAYERS.on_rank(name, rank.p, sizes.num_layers // rank.pp)
+    if local is None or EXPERTS.index(local) is None:
         return local
-    per_rank, index = sizes.experts // rank.ep, int(expert.group(2))
-    if not rank.e * per_rank <= index < (rank.e + 1) * per_rank:
-        return None
-    return f"{expert.group(1)}{index - rank.e * per_rank}{expert.group(3)}"
+    return EXPERTS.on_rank(local, rank.e, sizes.experts // rank.ep)
 
 
 def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int, ep: int = 1
@@ -363,7 +354,7 @@ def _record(ledger: Ledger, name: str, kind: str, shape: tuple[int, ...], rank: 
     whole; a replicated tensor's whole once (on its first TP rank; a copy on every other), the
     dense part once (on EP rank 0; a copy on every other), a tied head a copy of its stage 0
     embedding piece."""
-    split, expert = LAYOUT.kind(kind), EXPERT.fullmatch(local) is not None
+    split, expert = LAYOUT.kind(kind), EXPERTS.index(local) is not None
     key = f"{rank.folder}: {local}"
     if tied_copy:
         ledger.output(key, shape, None)
@@ -521,21 +512,20 @@ def _recorded_names(record: Mapping[str, str] | None) -> list[str] | None:
 
 def whole_name(local: str, rank: Rank, sizes: GptSizes) -> str:
     """The whole model's name of the tensor ``rank``'s ``local`` entry holds (:func:`local_name`
-    undone): its layer number plus the layers of the stages before, an expert's index plus the
-    experts of the EP ranks before; a tied head (the last stage's copy at PP > 1) the embedding.
+    undone by the same layout tables): its layer number plus the layers of the stages before, an
+    expert's index plus the experts of the EP ranks before; a tied head (the last stage's copy
+    at PP > 1) the embedding.
 
     >>> sizes = GptSizes(4, 16, 32, 4, 2, 4, 64, True, False, False, 4)
     >>> whole_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", Rank(0, 1, 1, 1, 2, 2), sizes)
     'decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight'
     """
-    m = _LAYER.fullmatch(local)
-    if m is None:
+    if LAYERS.index(local) is None:
         return _EMBEDDING if sizes.tied and local == _OUTPUT else local
-    name = f"decoder.layers.{int(m.group(1)) + rank.p * (sizes.num_layers // rank.pp)}.{m.group(2)}"
-    expert = EXPERT.fullmatch(name)
-    if expert is None:
+    name = LAYERS.renumbered(local, rank.p * (sizes.num_layers // rank.pp))
+    if EXPERTS.index(name) is None:
         return name
-    return f"{expert.group(1)}{int(expert.group(2)) + rank.e * (sizes.experts // rank.ep)}{expert.group(3)}"
+    return EXPERTS.renumbered(name, rank.e * (sizes.experts // rank.ep))
 
 
 _EXPERT_PARALLEL = "is_expert_parallel"
@@ -583,7 +573,7 @@ def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None]
     for local, value in model.items():
         if value is not None:
             name = whole_name(local, rank, sizes)
-            members[index[(whole.group_of[name], EXPERT.fullmatch(name) is not None)]].append(name)
+            members[index[(whole.group_of[name], EXPERTS.index(name) is not None)]].append(name)
     state, groups, pid = {}, [], 0
     for h, names in zip(hyper, members):
         if not names:
