@@ -1,12 +1,14 @@
-"""Megatron-LM legacy checkpoints written at a chosen TP and PP, without torch or Megatron.
+"""Megatron-LM legacy checkpoints written at a chosen TP, PP and EP, without torch or Megatron.
 
 The input is a model in megatron-core's TP=1 PP=1 names: what :mod:`.megatron`'s reader gives
-for any legacy save, or what the preset ``llama-to-megatron-gpt`` makes of a Hugging Face Llama.
+for any legacy save, or what the preset ``llama-to-megatron-gpt`` (``mixtral-to-megatron-moe``)
+makes of a Hugging Face Llama (Mixtral).
 :func:`write_megatron` splits it by the inverse of the reader's rules and writes what Megatron-LM's
 ``save_checkpoint`` (``--ckpt-format torch``) writes:
 
 - ``latest_checkpointed_iteration.txt`` (the iteration number) and
-  ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` per rank (``_PPP`` only at PP > 1), each a
+  ``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per rank (``_PPP`` only at PP > 1,
+  ``_EEE`` only at EP > 1: Megatron-LM's ``get_checkpoint_name``), each a
   ``torch.save`` dict with ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0,
   ``iteration`` and ``model``: that rank's state dict, an ``OrderedDict`` in megatron-core's
   module order, each linear module's ``_extra_state`` None beside its weight (the local spec's
@@ -18,8 +20,9 @@ for any legacy save, or what the preset ``llama-to-megatron-gpt`` makes of a Hug
   row-parallel biases) whole;
 - PP stage p holds layers ``p·L/PP …``, numbered from 0 (where a name's layer index is, and what
   only the first or last stage holds: the layout file's ``[pipeline]``, as the reader reads it);
-  the embedding only on stage 0; the final norm and the output layer only on the last (a tied head is stored there too at PP > 1, as
-  megatron-core keeps its copy of the embedding on the last stage; at PP = 1 it is not stored).
+  the embedding only on stage 0; the final norm and the output layer only on the last (a tied
+  head is stored there too at PP > 1, as megatron-core keeps its copy of the embedding on the
+  last stage; at PP = 1 it is not stored).
 
 Row pieces are file ranges of the input where it has them (nothing read but what is copied);
 column pieces of a row-parallel weight are computed when their rank's file is written, one tensor
@@ -29,8 +32,8 @@ at a time. The sizes the split needs come from the tensors and a config: Megatro
 
 An MoE model (every layer's MLP a ``router`` and experts ``mlp.experts.local_experts.N``, the
 SequentialMLP's names) is written at TP × PP × EP: EP rank e holds experts ``e·E/EP …``
-renumbered from 0 (the layout file's ``[experts]``) (the folder ``mp_rank_TT[_PPP]_EEE`` at EP > 1), each expert's linears split
-over TP as the dense ones are (megatron-core's expert tensor parallelism equal to TP); the
+renumbered from 0 (the layout file's ``[experts]``), each expert's linears split over TP as the
+dense ones are (megatron-core's expert tensor parallelism equal to TP); the
 dense part (attention, norms, router, embedding, head) whole on every EP rank, as megatron-core
 keeps it data-parallel there. Experts that do not divide over EP, an ``ep`` above 1 for a dense
 model, layers without the same experts are PlanErrors before anything is written.
@@ -39,8 +42,9 @@ A training checkpoint's optimizer (the legacy, non-distributed one: torch's Adam
 ``state_dict()``) of the whole model — what the Megatron reader gives, or a TP=1 training dict a
 fuse or convert wrote — is written into each rank file as ``optimizer``, as megatron-core's own
 save holds it: the rank's parameters in megatron-core's param groups (the whole optimizer's
-groups in their order: decayed weights, then 1-D ones without weight decay; a group no parameter
-of the rank is in left out), each with its hyperparameters, ids 0..n-1 through the groups in the
+groups in their order: decayed weights, then 1-D ones without weight decay; at EP > 1 each
+group's experts in an ``is_expert_parallel`` group right after it, at EP = 1 in their dense twin;
+a group no parameter of the rank is in left out), each with its hyperparameters, ids 0..n-1 through the groups in the
 rank's state-dict order; each parameter's ``exp_avg``/``exp_avg_sq`` split exactly like the
 parameter (:func:`piece`), its ``step`` as it is; a tied head's last-stage copy (PP > 1) gets
 the embedding's state, as megatron-core trains it with the embedding's gradient. An optimizer
