@@ -221,13 +221,13 @@ def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
                         f"{option_name('drop_optimizer')} has nothing to drop; leave it out")
 
 
-def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, int | None],
+def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, ...],
                     drop_optimizer: bool, max_shard_size: int | None) -> None:
-    """``tp``/``pp`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of rank
+    """``tp``/``pp``/``ep`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of rank
     files: PlanError for a file output, a Hugging Face Trainer folder's optimizer (not
     megatron-core's param groups) not dropped on purpose, a shard size; CheckpointError for an
     optimizer the reader could not map, not dropped on purpose."""
-    given = [name for name, value in zip(("tp", "pp"), parallel) if value is not None]
+    given = [name for name, value in zip(("tp", "pp", "ep"), parallel) if value is not None]
     if to != "megatron":
         if given:
             raise PlanError(f"{option_name(given[0])} sets the parallelism of a Megatron-LM checkpoint written with "
@@ -274,22 +274,22 @@ def _config_text(checkpoint: Checkpoint) -> bytes | None:
         return f.read()
 
 
-def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, int | None],
+def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, ...],
                     force: bool, on_note: Callable[[str], None] | None, recorded: Plan) -> FuseReport:
     """Write ``table`` (megatron-core's TP=1 names) alone as a Megatron-LM legacy save folder ``out``
-    at ``parallel`` (tp, pp; 1 where not given): ``io.formats.megatron_writer``, ``recorded`` its
+    at ``parallel`` (tp, pp, ep; 1 where not given): ``io.formats.megatron_writer``, ``recorded`` its
     provenance, the input's config.json beside it. The head counts come from the checkpoint's
     config, else (a Megatron input) its own ``args``. A training checkpoint whose optimizer is
     kept goes through ``_write`` instead (:func:`_megatron_target`)."""
     from .io.atomic import atomic_output
     from .io.formats.megatron_writer import write_megatron
     from .write import output_metadata
-    tp, pp = (value if value is not None else 1 for value in parallel)
+    tp, pp, ep = (value if value is not None else 1 for value in parallel)
     config, iteration, tied = _megatron_facts(checkpoint, table)
     tensors = {n: table[n] for n in table.entries if not (tied and n == _HEAD)}
     _, provenance = output_metadata(table, recorded, checkpoint.metadata)
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
-        _, written, copied = write_megatron(temp, tensors, tp=tp, pp=pp, config=config, tied=tied,
+        _, written, copied = write_megatron(temp, tensors, tp=tp, pp=pp, ep=ep, config=config, tied=tied,
                                             iteration=iteration, where=printable(str(checkpoint.path)),
                                             metadata=provenance, config_text=_config_text(checkpoint))
     unique = sum(t.spec.nbytes for t in {id(t): t for t in tensors.values()}.values())
@@ -301,18 +301,18 @@ def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, paralle
                       optimizer=fate)
 
 
-def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[int | None, int | None],
+def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[int | None, ...],
                      on_note: Callable[[str], None] | None) -> Callable[..., None]:
     """The writer ``training_output`` calls (as it calls ``TARGETS``' ones) with the whole
     (TP=1) training tree of a checkpoint whose optimizer is kept: its model and optimizer split
-    over ``parallel`` (tp, pp) Megatron-LM rank files (``megatron_writer.whole_optimizer``: a
+    over ``parallel`` (tp, pp, ep) Megatron-LM rank files (``megatron_writer.whole_optimizer``: a
     PlanError for an optimizer it cannot map), the input's ``opt_param_scheduler`` in each (a
     note where it has none), fusectl's record in each rank file, the config.json beside."""
     from .io.formats.megatron_writer import whole_optimizer, write_megatron
     from .io.key_path import node_at
     from .io.optimizer_state import RECORD_KEYS
     from .tensors import LazyTensor
-    tp, pp = (value if value is not None else 1 for value in parallel)
+    tp, pp, ep = (value if value is not None else 1 for value in parallel)
     config, iteration, tied = _megatron_facts(checkpoint, table)
     where = printable(str(checkpoint.path))
 
@@ -324,7 +324,7 @@ def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[
         scheduler = _megatron_scheduler(checkpoint, root)
         found = iteration if iteration is not None else \
             (root.get("iteration") if isinstance(root, dict) and type(root.get("iteration")) is int else None)
-        write_megatron(folder, tensors, tp=tp, pp=pp, config=config, tied=tied, iteration=found or None,
+        write_megatron(folder, tensors, tp=tp, pp=pp, ep=ep, config=config, tied=tied, iteration=found or None,
                        where=where, optimizer=whole, scheduler=scheduler,
                        metadata={k: v for k, v in metadata.items() if k not in RECORD_KEYS},
                        config_text=_config_text(checkpoint))
@@ -634,7 +634,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          param_order: str | None = None, param_order_out: str | None = None,
          param_order_from_model: bool = False, drop_optimizer: bool = False,
          untie_training: bool = False, to: str | None = None, tp: int | None = None,
-         pp: int | None = None) -> FuseReport:
+         pp: int | None = None, ep: int | None = None) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -683,12 +683,14 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
         folder that ``dcp.load`` reads on any number of ranks, or a DeepSpeed universal
         checkpoint (PlanError for an input without an optimizer, or an output that is not a folder);
         or ``"megatron"``: the model (megatron-core's TP=1 names, as ``llama-to-megatron-gpt``
-        makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp``
+        makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp`` × ``ep``
         (``io.formats.megatron_writer``), with a training input's optimizer split over the
         ranks like its parameters (PlanError for one it cannot map, unless ``drop_optimizer``),
         the input's scheduler, fusectl's provenance in the rank files, its config.json beside.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
+    :param ep: with ``to="megatron"``: the expert-parallel size of an MoE model (default 1); its
+        experts must divide over it.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
         optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out``
@@ -704,7 +706,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
@@ -718,7 +720,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, result, out, (tp, pp), force, on_note, history + planned.plan),
+        return _timed(_write_megatron(checkpoint, result, out, (tp, pp, ep), force, on_note, history + planned.plan),
                       started)
     twins = _moved_twins(checkpoint, planned.start, planned.plan, out, to)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
@@ -726,7 +728,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
                          whole_training=whole, param_order_out=param_order_out,
                          param_order_from_model=param_order_from_model, dropped=drop_optimizer,
                          untied=untied, twins=twins, state_copied=copied,
-                         to=_megatron_target(checkpoint, result, (tp, pp), on_note) if to == "megatron" else to),
+                         to=_megatron_target(checkpoint, result, (tp, pp, ep), on_note) if to == "megatron" else to),
                   started)
 
 
@@ -752,7 +754,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
            untie_training: bool = False, param_order: str | None = None, to: str | None = None,
-           tp: int | None = None, pp: int | None = None) -> FuseReport:
+           tp: int | None = None, pp: int | None = None, ep: int | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
@@ -791,6 +793,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         model (its optimizer split with it, as :func:`fuse`'s) as a Megatron-LM legacy save.
     :param tp: as :func:`fuse`'s.
     :param pp: as :func:`fuse`'s.
+    :param ep: as :func:`fuse`'s.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
         tensors; OutputError as :func:`fuse`.
@@ -807,7 +810,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     untie = untie or untie_training
     copied = False
@@ -853,11 +856,11 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, table, out, (tp, pp), force, on_note, history + new), started)
+        return _timed(_write_megatron(checkpoint, table, out, (tp, pp, ep), force, on_note, history + new), started)
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
                          moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied,
-                         to=_megatron_target(checkpoint, table, (tp, pp), on_note) if to == "megatron" else to),
+                         to=_megatron_target(checkpoint, table, (tp, pp, ep), on_note) if to == "megatron" else to),
                   started)
 
 
@@ -877,7 +880,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
             key: str | None = None, progress: bool | None = False,
             on_note: Callable[[str], None] | None = None, param_order: str | None = None,
             drop_optimizer: bool = False, to: str | None = None, tp: int | None = None,
-            pp: int | None = None) -> FuseReport:
+            pp: int | None = None, ep: int | None = None) -> FuseReport:
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
@@ -908,6 +911,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
         Megatron-LM legacy save at ``tp`` × ``pp``.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
+    :param ep: with ``to="megatron"``: the expert-parallel size of an MoE model (default 1); its
+        experts must divide over it.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
     :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
         no ``key``); OutputError as :func:`fuse`.
@@ -923,13 +928,13 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size) and \
         not isinstance(checkpoint.training, TrainerOptimizer)
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp), force, on_note, history),
+        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp, ep), force, on_note, history),
                       started)
     table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:
@@ -937,7 +942,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer,
                          state_copied=whole,
-                         to=_megatron_target(checkpoint, table, (tp, pp), on_note) if to == "megatron" else to),
+                         to=_megatron_target(checkpoint, table, (tp, pp, ep), on_note) if to == "megatron" else to),
                   started)
 
 
