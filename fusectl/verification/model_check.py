@@ -46,8 +46,8 @@ class ModelVerifyReport(VerifyReport):
         """The report's JSON (``--report``), with ``shared_initializers``, the named ``dims``, the
         ``runs`` and the ``localization`` (null when it did not run) added."""
         return {**super().to_json(), "shared_initializers": dict(self.shared), "runs": self.runs,
-                "dims": dict(self.dims),
-                "localization": self.localization.to_json() if self.localization is not None else None}
+                "localization": self.localization.to_json() if self.localization is not None else None,
+                "dims": dict(self.dims)}
 
     def to_text(self) -> str:
         """The report's text, with a line listing the inputs (and the dims and random integer
