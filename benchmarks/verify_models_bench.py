@@ -14,6 +14,10 @@ What it measures
                    options, CPU) and runs it once: what one graph costs onnxruntime;
       verify       ``fusectl verify A.onnx B.onnx --report R.json`` (text report to a log file):
                    two sessions. It must pass (exit 0); anything else stops the benchmark.
+      localize     (with ``--localize``) ``fusectl verify A.onnx B.onnx --localize``: the same, then
+                   every intermediate ``hI`` of both graphs compared, a segment at a time (issue
+                   31). It must pass and its report must say that ``layers - 1`` values were
+                   compared and none differs: the whole search, the most it can hold.
 
     The summary prints verify / one-session peak RSS (medians) against the goal of 1.35x (issue
     22: initializers both graphs hold alike are loaded once for both sessions). The first verify
@@ -33,6 +37,7 @@ How it measures
 How to run
     /work/main/.venv/bin/python benchmarks/verify_models_bench.py                 # 2x512 MB, 3 reps
     /work/main/.venv/bin/python benchmarks/verify_models_bench.py --json vm.json
+    /work/main/.venv/bin/python benchmarks/verify_models_bench.py --localize     # and verify --localize
     /work/main/.venv/bin/python benchmarks/verify_models_bench.py --hidden 256 --layers 4 --repeat 1  # smoke
     /work/main/.venv/bin/python benchmarks/verify_models_bench.py --fusectl /path/to/other/fusectl
 
@@ -163,10 +168,21 @@ def run_method(method, pair, out_dir, fusectl, timeout):
     a, b = os.path.join(pair, "A.onnx"), os.path.join(pair, "B.onnx")
     if method == "one-session":
         return fuse_bench.measure([sys.executable, "-c", ONE_SESSION, a], timeout)
-    if method == "verify":
-        return measure_verify(fusectl, [a, b, "--report", os.path.join(out_dir, "verify-models.json")],
-                              os.path.join(out_dir, "verify-models.log"), timeout)
+    if method in ("verify", "localize"):
+        extra = ["--localize"] if method == "localize" else []
+        return measure_verify(fusectl, [a, b, *extra, "--report", os.path.join(out_dir, f"{method}-models.json")],
+                              os.path.join(out_dir, f"{method}-models.log"), timeout)
     raise ValueError(method)
+
+
+def check_localization(path, layers):
+    """The ``localization`` of ``verify --localize``'s report: every ``hI`` compared (the last
+    layer's output pairs with nothing: MatMul against Gemm), none differing."""
+    with open(path) as f:
+        found = json.load(f).get("localization")
+    if not found or found["first"] is not None or found["compared"] != layers - 1:
+        raise BenchError(f"{path}: localization is {found}, expected {layers - 1} values compared, none differing")
+    return found
 
 
 def log(msg):
@@ -247,6 +263,7 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE", help="write the raw numbers here")
     parser.add_argument("--fusectl", help="fusectl executable (default: beside this Python, else PATH)")
     parser.add_argument("--timeout", type=float, default=600, help="per-run limit in seconds (default 600)")
+    parser.add_argument("--localize", action="store_true", help="measure verify --localize too")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.layers < 2 or args.hidden < 1:
         parser.error("--repeat must be at least 1, --layers at least 2, --hidden at least 1")
@@ -259,26 +276,36 @@ def main(argv=None):
     log(f"fusectl: {fusectl} ({version}); wrapper RSS floor {floor_kb} KiB")
 
     reports = []  # the shared initializers the first verify run's report names
+    localized = []  # the first verify --localize run's localization
+    methods = METHODS + (["localize"] if args.localize else [])
 
     def run(method):
         measured = run_method(method, pair, out_dir, fusectl, args.timeout)
         if method == "verify" and not reports:
             reports.append(check_report(os.path.join(out_dir, "verify-models.json"), args.hidden, args.layers))
+        if method == "localize" and not localized:
+            localized.append(check_localization(os.path.join(out_dir, "localize-models.json"), args.layers))
         return measured
 
-    runs, med = measure_rounds(METHODS, args.repeat, args.warmup, run, log)
+    runs, med = measure_rounds(methods, args.repeat, args.warmup, run, log)
     shared = reports[0]
     size = args.layers * args.hidden * args.hidden * 4
     print()
     print(f"fusectl verify A.onnx B.onnx vs one onnxruntime session of A: 2 graphs of {size / 1e6:.0f} MB "
           f"({args.layers} float32 [{args.hidden}, {args.hidden}] weights in external data, all but one "
           f"shared by name and bytes); {args.repeat} runs each, alternating order, warm page cache")
-    print_runs(runs, METHODS, med)
+    print_runs(runs, methods, med)
     print(f"(wrapper RSS floor {floor_kb * 1024 / MB:.1f} MB)")
-    ratio = med["verify"][1] / med["one-session"][1]
-    verdict = "within" if ratio <= RSS_RATIO_GOAL else "OVER"
-    print(f"verify / one-session peak RSS (medians) = {ratio:.2f}x ({med['verify'][1]:.0f} MB / "
-          f"{med['one-session'][1]:.0f} MB; {verdict} the {RSS_RATIO_GOAL:g}x goal)")
+    ratios = {}
+    for method in methods[1:]:
+        ratios[method] = ratio = med[method][1] / med["one-session"][1]
+        verdict = "within" if ratio <= RSS_RATIO_GOAL else "OVER"
+        print(f"{method} / one-session peak RSS (medians) = {ratio:.2f}x ({med[method][1]:.0f} MB / "
+              f"{med['one-session'][1]:.0f} MB; {verdict} the {RSS_RATIO_GOAL:g}x goal)")
+    ratio = ratios["verify"]
+    if localized:
+        print(f"localization: {localized[0]['compared']} values compared in {localized[0]['segments']} segment(s), "
+              "none differing")
     print(f"verify / one-session wall time (medians) = {med['verify'][0] / med['one-session'][0]:.2f}x "
           f"({med['verify'][0]:.2f} s / {med['one-session'][0]:.2f} s; times move with the machine's load)")
     print("shared initializers (verify --report): "
@@ -290,7 +317,9 @@ def main(argv=None):
                      cpus=os.cpu_count())
         measured = dict(repeat=args.repeat, warmup_rounds=args.warmup, hidden=args.hidden, layers=args.layers,
                         graph_bytes=size, pair=pair, wrapper_rss_floor_kb=floor_kb, shared_initializers=shared,
-                        rss_ratio=ratio, rss_ratio_goal=RSS_RATIO_GOAL, runs=runs, total_s=total)
+                        rss_ratio=ratio, rss_ratio_goal=RSS_RATIO_GOAL, runs=runs, total_s=total,
+                        localize_rss_ratio=ratios.get("localize"),
+                        localization=localized[0] if localized else None)
         fuse_bench.write_json(args.json, {**where, **measured})
     return 0
 

@@ -179,8 +179,8 @@ def test_localize_is_for_models_only_and_takes_a_bool():
 
 
 def test_the_text_names_the_node_its_weights_and_the_pairs():
-    doc = Localization(first={"node": "mm", "op_type": "MatMul", "output": "y", "reference_value": "concat(a, b, axis=-1)",
-                              "candidate_value": "y", "weights": ["w"], "rule": "qkv",
+    doc = Localization(first={"node": "mm", "op_type": "MatMul", "output": "y",
+                              "reference_value": "concat(a, b, axis=-1)", "candidate_value": "y", "weights": ["w"], "rule": "qkv",
                               "comparison": {"name": "y", "dtype": "float32", "shape": [2, 4], "passed": False,
                                              "atol": 1e-5, "rtol": 1e-5, "mismatches": 1, "max_abs": 0.5,
                                              "mean_abs": 0.1, "p99_abs": 0.5, "max_rel": 2.0, "mean_rel": 0.2,
@@ -194,3 +194,49 @@ def test_the_text_names_the_node_its_weights_and_the_pairs():
         "in 1 segment(s)",
         "  localize: inputs of the first run",
     ]
+
+
+def test_an_unreadable_provenance_names_no_rule_and_says_why(tmp_path, exports):
+    model = onnx.load(str(exports["llama"]))
+    model.metadata_props[0].value = "{not json"
+    edited = tmp_path / "edited.onnx"
+    onnx.save(model, str(edited))
+    bad = _changed(edited, tmp_path / "bad.onnx", "model.layers.0.mlp.gate_up_proj.weight", (4, 3))
+    result = localize_models(str(ONNX / "llama" / "model.onnx"), str(bad), _feeds("llama"), provider=CPU)
+    assert result.first["rule"] is None and "fusectl provenance is unreadable" in result.note
+
+
+def test_values_with_no_pair_are_counted_and_several_runs_localize_the_first_failing_one(tmp_path):
+    """A MatMul chain against the same chain ending in a Gemm of the transposed weight: the last
+    output pairs with nothing (other op types, unnamed nodes); with a changed first weight, the
+    first failing of three runs is localized to the first MatMul."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    w0, w1 = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(2))
+
+    def save(path, w0, gemm):
+        last = (helper.make_node("Gemm", ["h0", "w1"], ["y"], transB=1) if gemm
+                else helper.make_node("MatMul", ["h0", "w1"], ["y"]))
+        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w0"], ["h0"]), last], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                                  [numpy_helper.from_array(w0, "w0"),
+                                   numpy_helper.from_array(np.ascontiguousarray(w1.T) if gemm else w1, "w1")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        onnx.save(model, str(path))
+        return path
+
+    reference = save(tmp_path / "a.onnx", w0, gemm=False)
+    changed = w0.copy()
+    changed[1, 2] += 1.0
+    candidate = save(tmp_path / "b.onnx", changed, gemm=True)
+    report = tmp_path / "r.json"
+    result = run_cli("verify", reference, candidate, "--runs", "3", "--report", report)
+    assert result.exit_code == 1, result.stderr
+    doc = json.loads(report.read_text())["localization"]
+    assert doc["first"]["node"] == "h0" and doc["first"]["weights"] == ["w0"]  # an unnamed node: its output
+    assert doc["compared"] == 1 and doc["paired_by"] == {"name": 1, "plan": 0}
+    assert "1 value(s) of the candidate have no pair" in doc["note"]
+    assert "the first failing run (seed 0)" in doc["note"]

@@ -117,8 +117,8 @@ class Localization:
             first, m = self.first, Comparison(**self.first["comparison"])
             rule = f", rule {printable(first['rule'])}" if first["rule"] else ""
             weights = ", ".join(map(printable, first["weights"])) or "none"
-            lines.append(f"  localize: first divergence at node {printable(first['node'])} ({first['op_type']}) "
-                         f"output {printable(first['output'])} against reference "
+            lines.append(f"  localize: first divergence at node {printable(first['node'])} "
+                         f"({printable(first['op_type'])}) output {printable(first['output'])} against reference "
                          f"{printable(first['reference_value'])}: {m.dtype}{m.shape}, max abs {m.max_abs:.3g}, "
                          f"max rel {m.max_rel:.3g}, {m.mismatches} element(s) differ, first at {m.first_mismatch}")
             lines.append(f"  localize: weights {weights}{rule}; {pairs}")
