@@ -18,10 +18,12 @@ segment is a sub-model cut (``onnx_ir.convenience.extract``, sharing the loaded 
 graph's inputs to the segment's values, so nodes past them do not run. The reference's segment
 runs, its session is let go, then the candidate's; the pairs are compared (:func:`~fusectl.
 verification.compare.compare`, the verify's tolerances) in the candidate's topological order, and
-the first that differs ends the search. The first segment holds ``FIRST_SEGMENT`` pairs; each
+the first that differs ends the search. The first segment holds ``FIRST_SEGMENT`` pair; each
 next one as many as the last one's bytes say fit in ``SEGMENT_BYTES`` (both graphs' values
-together), so memory stays that of one session plus one segment, never every intermediate at
-once (Polygraphy's ``mark all`` runs out of memory on big models: NVIDIA/TensorRT #4443).
+together), and at most ``GROWTH`` times as many as the last, so memory stays that of one session
+plus one segment, never every intermediate at once (Polygraphy's ``mark all`` runs out of memory
+on big models: NVIDIA/TensorRT #4443). Each segment runs the graphs from their inputs again: the
+search costs time (an early segment runs few nodes), not memory.
 
 **Rules.** ``fusectl export`` records the fused checkpoint's provenance in the candidate's
 ``metadata_props`` (key ``fusectl``): the rule whose step wrote an initializer the first
@@ -44,13 +46,16 @@ from ..io.provenance import METADATA_KEY, Provenance
 from .compare import Comparison, compare
 from .runner import run, session
 
-__all__ = ["FIRST_SEGMENT", "Localization", "Pair", "SEGMENT_BYTES", "localize_models", "pair_values"]
+__all__ = ["FIRST_SEGMENT", "GROWTH", "Localization", "Pair", "SEGMENT_BYTES", "localize_models", "pair_values"]
 
-# the first segment's pairs, before their bytes are known
-FIRST_SEGMENT = 16
+# the first segment's pairs, before any value's bytes are known
+FIRST_SEGMENT = 1
 # both graphs' exposed values held at once, a segment at a time (one value larger than this is
 # one segment of its own: the session computing it holds it anyway)
 SEGMENT_BYTES = 16 * 2**20
+# a segment holds at most GROWTH times the pairs of the one before: the bytes of values not yet
+# computed are not known, so a run of small values does not make room for a burst of large ones
+GROWTH = 4
 MAX_SEGMENT = 1024
 
 BY_NAME, BY_PLAN = "name", "plan"
@@ -402,7 +407,8 @@ def localize_models(reference: str, candidate: str, feeds: Mapping[str, np.ndarr
         held = sum(a.nbytes for out in (ref_out, cand_out) for a in out.values() if isinstance(a, np.ndarray))
         del ref_out, cand_out
         start += len(segment)
-        size = max(1, min(MAX_SEGMENT, int(SEGMENT_BYTES * len(segment) / max(held, 1))))
+        fit = int(SEGMENT_BYTES * len(segment) / max(held, 1))
+        size = max(1, min(MAX_SEGMENT, GROWTH * len(segment), fit))
     if skipped:
         notes.append(f"{skipped} pair(s) not compared (not tensors, or other shapes or dtypes)")
     if result.first is not None and rules_note:
