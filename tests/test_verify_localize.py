@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from conftest import run_cli
 from fusectl import api
@@ -26,6 +26,7 @@ from fusectl.errors import VerifyError
 from fusectl.onnx.graph import load_model
 from fusectl.verification import localize as localize_module
 from fusectl.verification.localize import Localization, localize_models, pair_values
+from fusectl.verification.model_check import verify_models
 from fusectl.verification.runner import CPU
 from fusectl.verification.runs import OutputChecks
 
@@ -180,7 +181,8 @@ def test_localize_is_for_models_only_and_takes_a_bool():
 
 def test_the_text_names_the_node_its_weights_and_the_pairs():
     doc = Localization(first={"node": "mm", "op_type": "MatMul", "output": "y",
-                              "reference_value": "concat(a, b, axis=-1)", "candidate_value": "y", "weights": ["w"], "rule": "qkv",
+                              "reference_value": "concat(a, b, axis=-1)", "candidate_value": "y",
+                              "weights": ["w"], "rule": "qkv",
                               "comparison": {"name": "y", "dtype": "float32", "shape": [2, 4], "passed": False,
                                              "atol": 1e-5, "rtol": 1e-5, "mismatches": 1, "max_abs": 0.5,
                                              "mean_abs": 0.1, "p99_abs": 0.5, "max_rel": 2.0, "mean_rel": 0.2,
@@ -210,8 +212,6 @@ def test_values_with_no_pair_are_counted_and_several_runs_localize_the_first_fai
     """A MatMul chain against the same chain ending in a Gemm of the transposed weight: the last
     output pairs with nothing (other op types, unnamed nodes); with a changed first weight, the
     first failing of three runs is localized to the first MatMul."""
-    from onnx import TensorProto, helper
-
     rng = np.random.default_rng(0)
     w0, w1 = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(2))
 
@@ -240,3 +240,22 @@ def test_values_with_no_pair_are_counted_and_several_runs_localize_the_first_fai
     assert doc["compared"] == 1 and doc["paired_by"] == {"name": 1, "plan": 0}
     assert "1 value(s) of the candidate have no pair" in doc["note"]
     assert "the first failing run (seed 0)" in doc["note"]
+
+
+def test_a_graph_onnx_ir_cannot_read_is_not_localized_and_verify_says_so(tmp_path):
+    """onnxruntime runs a graph with a sequence of maps inside; onnx-ir does not represent it."""
+    scalar = helper.make_tensor_type_proto(TensorProto.FLOAT, [])
+    maps = helper.make_sequence_type_proto(helper.make_map_type_proto(TensorProto.INT64, scalar))
+    zipmap = helper.make_node("ZipMap", ["x"], ["m"], domain="ai.onnx.ml", classlabels_int64s=[0, 1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"]), zipmap], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+                              value_info=[helper.make_value_info("m", maps)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("ai.onnx.ml", 3)])
+    model.ir_version = 8
+    path = str(tmp_path / "zipmap.onnx")
+    onnx.save(model, path)
+    report = verify_models(path, path, provider="cpu", output_checks=OutputChecks(localize=True))
+    assert report.passed and report.localization.first is None and report.localization.compared == 0
+    assert "not localized: " in report.localization.note and "zipmap.onnx" in report.localization.note

@@ -361,14 +361,18 @@ def localize_models(reference: str, candidate: str, feeds: Mapping[str, np.ndarr
     dtype). ``initializers``: OrtValues both graphs share (verify's shared initializers), handed
     to each segment's session that reads them; ``upcast``: run bf16 models as float32, as verify
     does on CPU; ``note`` starts the result's note (which inputs were used). A segment onnxruntime
-    cannot run ends the search, said in the note.
+    cannot run ends the search, said in the note; so does a graph onnx-ir cannot read (onnxruntime
+    may run what onnx-ir cannot represent).
 
     >>> result = localize_models("fixtures/onnx/lstm/model.onnx", "fixtures/onnx/lstm/model.onnx",
     ...                          dict(np.load("fixtures/onnx/lstm/io.npz")), provider="CPUExecutionProvider")
     >>> result.first is None and result.compared > 0
     True
     """
-    ref_model, cand_model = _load(reference, upcast), _load(candidate, upcast)
+    try:
+        ref_model, cand_model = _load(reference, upcast), _load(candidate, upcast)
+    except CheckpointError as e:  # onnxruntime runs graphs onnx-ir cannot represent (maps)
+        return Localization(note="; ".join([*([note] if note else []), f"not localized: {e}"]))
     pairs, unpaired = pair_values(ref_model.graph, cand_model.graph)
     rules, rules_note = _rules(cand_model)
     result = Localization(paired_by={BY_NAME: sum(p.by == BY_NAME for p in pairs),
