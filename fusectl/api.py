@@ -1103,7 +1103,9 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     :param output_checks: models only: an :class:`~fusectl.verification.runs.OutputChecks` of
         per-output tolerances, the number of seeded runs (the report's ``runs`` gives the pass
         rate and the worst run) and an ``.npz`` to save the first failing run's inputs to (then
-        ``inputs=`` that file reproduces the failure; nothing is written when every run passes).
+        ``inputs=`` that file reproduces the failure; nothing is written when every run passes),
+        and whether to localize the first diverging node (by default when an output fails: the
+        report's ``localization``).
     :returns: a :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether
         the candidate computes the same, ``.to_json()`` is the ``--report`` object and
         ``.to_text()`` what ``verify`` prints.
@@ -1161,7 +1163,8 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
                 if value]
         used += [knob(flag, name) for flag, name, value in (
             ("--tol", "tolerances", checks.tolerances), ("--runs", "runs", checks.runs != 1),
-            ("--save-inputs", "save_inputs", checks.save_inputs)) if value]
+            ("--save-inputs", "save_inputs", checks.save_inputs),
+            ("--localize", "localize", checks.localize is not None)) if value]
         if used:
             raise VerifyError(f"{used[0]} applies to two .onnx models; with checkpoints, verify "
                               "makes its own inputs")

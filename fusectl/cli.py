@@ -694,6 +694,9 @@ class SeedType(click.ParamType):
               help="Run N seeded input sets (--seed, --seed+1, ...); the report gives the pass rate and the worst run.")
 @click.option("--save-inputs", "save_inputs", type=click.Path(dir_okay=False), default=None, metavar="FILE.npz",
               help="Write the inputs of the first failing run here; --inputs FILE.npz reproduces it.")
+@click.option("--localize/--no-localize", default=None,
+              help="Name the first node whose output differs, comparing intermediates a segment at a time "
+                   "(default: when an output fails).")
 @click.option("--report", "report_path", type=click.Path(), default=None,
               help="Write the JSON report here (never over an input).")
 @click.option("--junit", "junit_path", type=click.Path(), default=None,
@@ -704,11 +707,13 @@ class SeedType(click.ParamType):
               help="As --param-order, for CANDIDATE's optimizer (the fused model's named_parameters() order), "
                    "where the shapes do not prove it.")
 def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
-               tolerances, runs, save_inputs, report_path, junit_path, config_path, param_order, param_order_out):
+               tolerances, runs, save_inputs, localize, report_path, junit_path, config_path, param_order,
+               param_order_out):
     """Prove CANDIDATE computes what REFERENCE computes; exit 1 when it does not.
 
     Two .onnx models: both run on onnxruntime with the same inputs and every output is
-    compared. Two checkpoints: the candidate's provenance (or -r RULES) is replayed on the
+    compared; when one fails (or with --localize), the first node whose output differs is named.
+    Two checkpoints: the candidate's provenance (or -r RULES) is replayed on the
     reference and compared tensor by tensor, the inverse is checked, ties are checked, and each
     step kind runs once per shape as a small onnxruntime computation. A training checkpoint's
     optimizer state is replayed too (each state tensor against the plan's steps on the
@@ -720,6 +725,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
       fusectl verify original.onnx fused.onnx --runs 8 --tol logits=1e-4 --save-inputs failing.npz
+      fusectl verify original.onnx fused.onnx --localize --report verify.json
     """
     ctx = click.get_current_context()
     parsed = {}
@@ -735,7 +741,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
                         config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note,
                         param_order=param_order, param_order_out=param_order_out,
                         output_checks=_api().OutputChecks(tolerances=parsed["--tol"], runs=runs,
-                                                          save_inputs=save_inputs))
+                                                          save_inputs=save_inputs, localize=localize))
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)
