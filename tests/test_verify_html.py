@@ -17,11 +17,12 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from onnx import numpy_helper
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, parse_safetensors, run_cli, write_safetensors
 from fusectl import api
 from fusectl.verification.html_report import STATISTICS, format_number, html_page
 
@@ -211,16 +212,24 @@ def test_runs_show_the_pass_rate_and_the_worst_runs_checks(tmp_path):
 
 
 def test_a_checkpoint_verify_writes_its_page_too(tmp_path):
-    fused = tmp_path / "fused"
+    # the Llama fixture fused, then one element of a fused weight moved by 0.01 (README's "bad/")
+    fused = tmp_path / "fused.safetensors"
     assert run_cli("fuse", FIXTURES / "tiny-llama-gqa", "-r", "llama-qkv", "-o", fused, "--quiet").exit_code == 0
+    tensors, metadata = parse_safetensors(fused)
+    arrays = {name: np.frombuffer(raw, np.float32).reshape(shape).copy() for name, (_, shape, raw) in tensors.items()}
+    changed = "model.layers.1.self_attn.qkv_proj.weight"
+    arrays[changed][5, 7] += 0.01
+    write_safetensors(fused, arrays, metadata)
     report, path = tmp_path / "verify.json", tmp_path / "verify.html"
     result = run_cli("verify", FIXTURES / "tiny-llama-gqa", fused, "--report", report, "--html", path)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     doc, page = json.loads(report.read_text()), Page(path.read_text(encoding="utf-8"))
     assert doc["mode"] == "checkpoint" and page.fields["mode"] == [("checkpoint", "checkpoint")]
-    assert len(page.checks) == len(doc["checks"]) > 20
-    assert {c["passed"] for c in page.checks} == {True}
+    assert len(page.checks) == len(doc["checks"]) > 20 and changed in doc["failed"]
+    assert page.checks[0]["passed"] is False and page.checks[-1]["passed"] is True
     _assert_shows(page, doc)
+    tensor = next(c for c in page.checks if c["name"] == changed)
+    assert tensor["cells"]["mismatches"][0] == 1 and tensor["cells"]["max_abs"][0] == pytest.approx(0.01, rel=1e-3)
 
 
 def test_the_page_is_refused_over_an_input_or_another_report(tmp_path):
@@ -279,8 +288,8 @@ def test_the_localization_is_rendered_with_its_schema():
     for field in ("node", "op_type", "output", "reference_value", "candidate_value", "rule"):
         assert page.fields[field] == [(localization["first"][field], localization["first"][field])]
     assert page.fields["weights"] == [(localization["first"]["weights"], "layer.1.q.weight, layer.1.k.weight")]
-    # the first node's comparison covers 6 elements; then the localization's 37 intermediates
-    assert page.fields["compared"] == [(6, "6"), (37, "37")] and page.fields["segments"] == [(3, "3")]
+    # the localization's 37 intermediates, then the 6 elements of the first node's comparison
+    assert page.fields["compared"] == [(37, "37"), (6, "6")] and page.fields["segments"] == [(3, "3")]
     assert page.fields["paired_by"] == [({"name": 30, "plan": 7}, "name 30, plan 7")]
     assert page.fields["max_abs"] == [(0.125, "0.125")]  # the first node's statistics
     assert "paired 37 of 40 intermediates" in page_text
@@ -304,6 +313,21 @@ def test_names_from_the_inputs_are_escaped_and_nonfinite_counts_shown():
     cells = page.checks[0]["cells"]
     assert cells["nonfinite.reference.nan"] == (4, "4") and cells["nonfinite.candidate.-inf"] == (2, "2")
     assert cells["max_rel"] == (math.inf, "inf") and cells["min_rtol"] == (math.inf, "inf")
+
+
+def test_the_header_shows_shared_initializers_inputs_and_the_optimizer():
+    doc = _report(shared_initializers={"count": 3, "bytes": 2_500_000}, dims={"batch": 2},
+                  inputs=[{"name": "ids", "dtype": "int64", "shape": [2, 8], "source": "random", "range": [0, 127],
+                           "range_from": "Gather of 'embed.weight', 128 rows"}],
+                  optimizer={"reference": "optimizer_state_dict", "candidate": None, "status": "dropped",
+                             "state_tensors": 0, "parameters": 4, "groups": 1, "passed": True})
+    text = html_page(doc).decode()
+    page = Page(text)
+    assert page.fields["shared_initializers"] == [({"count": 3, "bytes": 2_500_000},
+                                                   "3 initializer(s), 2.5 MB loaded once for both sessions")]
+    assert "[0, 127] (Gather of &#x27;embed.weight&#x27;, 128 rows)" in text and "<code>batch</code>=2" in text
+    assert page.fields["status"] == [("dropped", "dropped")] and page.fields["candidate"][-1] == (None, "—")
+    assert page.fields["parameters"] == [(4, "4")] and page.fields["passed"][-1] == (True, "yes")
 
 
 def test_the_histogram_marks_atol_and_the_bins_past_it():

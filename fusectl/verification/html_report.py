@@ -42,10 +42,12 @@ td.n { text-align: right; font-variant-numeric: tabular-nums; }
 .facts th { color: #5f6b76; font-weight: normal; } .facts td.n { text-align: left; }
 .check { border: 1px solid #d5dbe0; border-radius: 6px; margin: .6em 0; padding: .4em 1em; }
 .check.fail { border-left: 6px solid #c62828; } .check.pass { border-left: 6px solid #2e7d32; }
+.check.compact { margin: .25em 0; padding: .1em 1em; } .check.compact h3 { font-weight: normal; }
 .check h3 { font-size: 1em; margin: .2em 0; } .status { font-weight: bold; }
+.detail { color: #3d4650; }
 .fail .status { color: #c62828; } .pass .status { color: #2e7d32; }
 .stats th { color: #5f6b76; font-weight: normal; padding-right: .4em; }
-.note, .detail { color: #3d4650; margin: .2em 0; }
+.note { color: #3d4650; margin: .2em 0; }
 code, .name { font-family: ui-monospace, monospace; word-break: break-all; }
 svg.histogram { display: block; margin: .4em 0; }
 svg.histogram .bar { fill: #5b7fa6; } svg.histogram .bar.zero { fill: #2e7d32; }
@@ -136,23 +138,28 @@ def _rows(rows: Iterable[tuple[str, str]], css: str = "facts") -> str:
     return f'<table class="{css}">{body}</table>' if body else ""
 
 
-def _cell(value) -> str:
-    """A cell for a field of any kind: numbers raw and formatted, names escaped, lists joined."""
+def _cell(value, field: str = "") -> str:
+    """A cell for a field of any kind (named ``field`` in ``data-field`` when given): numbers raw
+    and formatted, names escaped, lists and objects written out."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _number(value)
-    if isinstance(value, (list, tuple)):
-        return f'<td data-value="{_raw(value)}">{_text(", ".join(map(str, value))) or "—"}</td>'
-    if isinstance(value, dict):
+        return _number(value, field)
+    if isinstance(value, bool):
+        text = format_number(value)
+    elif isinstance(value, (list, tuple)):
+        text = ", ".join(map(str, value))
+    elif isinstance(value, dict):
         text = ", ".join(f"{k} {format_number(v) if isinstance(v, (int, float)) else v}" for k, v in value.items())
-        return f'<td data-value="{_raw(value)}">{_text(text) or "—"}</td>'
-    return f'<td data-value="{_raw(value)}">{"—" if value is None else _text(value)}</td>'
+    else:
+        text = "" if value is None else str(value)
+    named = f' data-field="{html.escape(field)}"' if field else ""
+    return f'<td{named} data-value="{_raw(value)}">{_text(text) if text else "—"}</td>'
 
 
 def _header(report: dict) -> str:
     """What was compared, where and how."""
     fields = [("mode", "mode"), ("reference", "reference"), ("candidate", "candidate"), ("provider", "provider"),
               ("precision", "precision"), ("seed", "seed")]
-    rows = [(label, _cell(report.get(key)).replace("<td", f'<td data-field="{key}"', 1))
+    rows = [(label, _cell(report.get(key), key))
             for key, label in fields if key in report]
     shared = report.get("shared_initializers")
     if shared and shared.get("count"):
@@ -186,7 +193,7 @@ def _runs(runs: dict | None) -> str:
     rows = [("runs", _number(runs["count"], "count")), ("passed", _number(runs["passed"], "passed")),
             ("pass rate", f'<td class="n" data-field="pass_rate" data-value="{_raw(runs["pass_rate"])}">'
                           f'{runs["pass_rate"]:.0%}</td>'),
-            ("seeds", _cell(runs["seeds"]).replace("<td", '<td data-field="seeds"', 1)),
+            ("seeds", _cell(runs["seeds"], "seeds")),
             ("worst run (its checks below)", _number(worst["seed"], "worst_seed")),
             ("first failing run", _number(None if first_failing is None else first_failing["seed"],
                                           "first_failing_seed"))]
@@ -204,20 +211,25 @@ def _optimizer(optimizer: dict | None) -> str:
     """A training checkpoint's optimizer state as checked (checkpoint mode)."""
     if not optimizer:
         return ""
-    return (f'<h2>Optimizer</h2><section id="optimizer">'
-            + _rows((key, _cell(value).replace("<td", f'<td data-field="{html.escape(key)}"', 1))
-                    for key, value in optimizer.items()) + "</section>")
+    rows = _rows((key, _cell(value, key)) for key, value in optimizer.items())
+    return f'<h2>Optimizer</h2><section id="optimizer">{rows}</section>'
 
 
 def _localization(localization: dict | None) -> str:
     """Where the candidate first diverges: the first node whose output differs, and how the
     intermediates were paired and compared."""
-    parts = ['<h2>Where it diverges</h2><section id="localization">']
-    first = (localization or {}).get("first")
+    localization = localization or {}
+    parts = ['<h2>Where it diverges</h2><section id="localization">',
+             _rows((label, _cell(localization[key], key))
+                   for key, label in (("compared", "intermediates compared"), ("paired_by", "paired by"),
+                                      ("segments", "segments")) if key in localization)]
+    if localization.get("note"):
+        parts.append(f'<p class="note">{_text(localization["note"])}</p>')
+    first = localization.get("first")
     if first is None:
         parts.append('<p class="first none">no intermediate tensor differs beyond tolerance</p>')
     else:
-        facts = [(label, _cell(first.get(key)).replace("<td", f'<td data-field="{key}"', 1))
+        facts = [(label, _cell(first.get(key), key))
                  for key, label in (("node", "first node"), ("op_type", "op"), ("output", "output"),
                                     ("reference_value", "reference value"), ("candidate_value", "candidate value"),
                                     ("weights", "weights"), ("rule", "rule")) if key in first]
@@ -225,13 +237,6 @@ def _localization(localization: dict | None) -> str:
         if first.get("comparison"):
             parts.append(_comparison(first["comparison"]))
         parts.append("</div>")
-    localization = localization or {}
-    rows = [(label, _cell(localization[key]).replace("<td", f'<td data-field="{key}"', 1))
-            for key, label in (("compared", "intermediates compared"), ("paired_by", "paired by"),
-                               ("segments", "segments")) if key in localization]
-    parts.append(_rows(rows))
-    if localization.get("note"):
-        parts.append(f'<p class="note">{_text(localization["note"])}</p>')
     parts.append("</section>")
     return "".join(parts)
 
@@ -239,13 +244,16 @@ def _localization(localization: dict | None) -> str:
 def _check(check: dict, index: int) -> str:
     """One check: status, kind, name, detail, and its comparison's statistics and histogram."""
     status = "PASS" if check["passed"] else "FAIL"
-    parts = [f'<section class="check {status.lower()}" data-index="{index}" data-kind="{_raw(check["kind"])}" '
-             f'data-name="{_raw(check["name"])}" data-passed="{_raw(check["passed"])}">',
+    compact = not check.get("comparison")  # a line: status, kind, name and what was found
+    detail = f'<span class="detail">{_text(check["detail"])}</span>' if check.get("detail") else ""
+    parts = [f'<section class="check {status.lower()}{" compact" if compact else ""}" data-index="{index}" '
+             f'data-kind="{_raw(check["kind"])}" data-name="{_raw(check["name"])}" '
+             f'data-passed="{_raw(check["passed"])}">',
              f'<h3><span class="status">{status}</span> {_text(check["kind"])} '
-             f'<span class="name">{_text(check["name"])}</span></h3>']
-    if check.get("detail"):
-        parts.append(f'<p class="detail">{_text(check["detail"])}</p>')
-    if check.get("comparison"):
+             f'<span class="name">{_text(check["name"])}</span>{" — " + detail if compact and detail else ""}</h3>']
+    if not compact:
+        if detail:
+            parts.append(f'<p>{detail}</p>')
         parts.append(_comparison(check["comparison"]))
     parts.append("</section>")
     return "".join(parts)
