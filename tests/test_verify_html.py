@@ -296,7 +296,8 @@ def test_the_localization_is_rendered_with_its_schema():
     nothing = html_page(_report(localization={"first": None, "compared": 40, "paired_by": {"name": 40, "plan": 0},
                                               "segments": 1, "note": ""})).decode()
     assert "no intermediate tensor differs beyond tolerance" in nothing
-    assert 'id="localization"' not in html_page(_report()).decode()  # no key, no section
+    for missing in (_report(), _report(localization=None)):  # no key, or null: verify did not localize
+        assert 'id="localization"' not in html_page(missing).decode()
 
 
 def test_names_from_the_inputs_are_escaped_and_nonfinite_counts_shown():

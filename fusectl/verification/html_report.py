@@ -92,8 +92,7 @@ def html_page(report: dict) -> bytes:
     ordered = sorted(range(len(checks)), key=lambda i: checks[i]["passed"])  # stable: failing first
     failed = sum(not c["passed"] for c in checks)
     verdict = "PASS" if report.get("passed") else "FAIL"
-    title = f"fusectl verify: {verdict} — {printable(str(report.get('reference')))} → " \
-            f"{printable(str(report.get('candidate')))}"
+    title = f"fusectl verify: {verdict} — {report.get('reference')} → {report.get('candidate')}"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -108,9 +107,9 @@ def html_page(report: dict) -> bytes:
         _runs(report.get("runs")),
         _optimizer(report.get("optimizer")),
     ]
-    if "localization" in report:
+    if report.get("localization") is not None:  # null: verify did not localize
         parts.append(_localization(report["localization"]))
-    parts.append(f'<h2>Checks ({failed} failed first, then {len(checks) - failed} passed)</h2>')
+    parts.append(f"<h2>Checks: {failed} failed, {len(checks) - failed} passed (the failing first)</h2>")
     parts += [_check(checks[i], i) for i in ordered]
     parts.append("</body></html>\n")
     return "\n".join(part for part in parts if part).encode()
@@ -215,10 +214,9 @@ def _optimizer(optimizer: dict | None) -> str:
     return f'<h2>Optimizer</h2><section id="optimizer">{rows}</section>'
 
 
-def _localization(localization: dict | None) -> str:
+def _localization(localization: dict) -> str:
     """Where the candidate first diverges: the first node whose output differs, and how the
     intermediates were paired and compared."""
-    localization = localization or {}
     parts = ['<h2>Where it diverges</h2><section id="localization">',
              _rows((label, _cell(localization[key], key))
                    for key, label in (("compared", "intermediates compared"), ("paired_by", "paired by"),
