@@ -204,7 +204,7 @@ def test_runs_show_the_pass_rate_and_the_worst_runs_checks(tmp_path):
     runs = doc["runs"]
     assert runs["count"] == 3
     assert page.fields["count"] == [(3, "3")] and page.fields["passed"] == [(runs["passed"], str(runs["passed"]))]
-    assert page.fields["pass_rate"][0][0] == runs["pass_rate"]
+    assert page.fields["pass_rate"][0][0] == runs["pass_rate"] and page.fields["seeds"] == [([0, 2], "0–2")]
     assert page.fields["worst_seed"] == [(runs["worst"]["seed"], str(runs["worst"]["seed"]))]
     assert [raw for raw, _ in page.fields["failed_runs"]] == [e["failed_runs"] for e in runs["outputs"].values()]
     assert [raw for raw, _ in page.fields["min_atol"]] == [e["min_atol"] for e in runs["outputs"].values()]

@@ -192,7 +192,8 @@ def _runs(runs: dict | None) -> str:
     rows = [("runs", _number(runs["count"], "count")), ("passed", _number(runs["passed"], "passed")),
             ("pass rate", f'<td class="n" data-field="pass_rate" data-value="{_raw(runs["pass_rate"])}">'
                           f'{runs["pass_rate"]:.0%}</td>'),
-            ("seeds", _cell(runs["seeds"], "seeds")),
+            ("seeds", f'<td data-field="seeds" data-value="{_raw(runs["seeds"])}">'
+                      f'{runs["seeds"][0]}–{runs["seeds"][1]}</td>'),
             ("worst run (its checks below)", _number(worst["seed"], "worst_seed")),
             ("first failing run", _number(None if first_failing is None else first_failing["seed"],
                                           "first_failing_seed"))]
