@@ -1064,7 +1064,8 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
            inputs: Mapping | str | os.PathLike | None = None, seed: int = 0, config: str | None = None,
            follow_symlinks: bool = False, key: str | None = None, report: str | None = None,
            junit: str | None = None, on_note: Callable[[str], None] | None = None, param_order: str | None = None,
-           param_order_out: str | None = None, output_checks: OutputChecks | None = None):
+           param_order_out: str | None = None, output_checks: OutputChecks | None = None,
+           html: str | None = None):
     """Prove ``candidate`` computes what ``reference`` computes.
 
     Two ``.onnx`` models: both run on onnxruntime with the same inputs and every output is
@@ -1095,6 +1096,8 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
         whichever of the two is a PyTorch file).
     :param report: write the JSON report here (never over an input).
     :param junit: write JUnit XML here, for CI (never over an input).
+    :param html: write the report as one self-contained HTML page here: the checks, failing
+        first, their statistics and error histograms (never over an input).
     :param on_note: called with each note that is not an error.
     :param param_order: checkpoints only: the reference's optimizer parameter order, where the
         shapes do not prove it (as :func:`plan`'s).
@@ -1131,7 +1134,8 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
 
     checks = output_checks or OutputChecks()
     save_option = knob("--save-inputs", "save_inputs")
-    destinations = {option_name("report"): report, option_name("junit"): junit, save_option: checks.save_inputs}
+    destinations = {option_name("report"): report, option_name("junit"): junit, option_name("html"): html,
+                    save_option: checks.save_inputs}
     # rules files and the config are inputs too; a preset name is not a path
     named = [p for p in (*map(os.fspath, rules), config) if p and os.path.exists(p)]
     graphs = [is_graph(reference), is_graph(candidate)]
@@ -1182,7 +1186,7 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
                                     recorded=not rulesets)
     failing = getattr(result, "failing_inputs", None)
     saved = [(checks.save_inputs, lambda: npz_bytes(failing))] if checks.save_inputs and failing is not None else []
-    result.write(json_path=report, junit_path=junit, inputs=sources, on_note=on_note, extra=saved)
+    result.write(json_path=report, junit_path=junit, html_path=html, inputs=sources, on_note=on_note, extra=saved)
     if checks.save_inputs and not saved and on_note is not None:
         on_note(f"every run passed, so {save_option} {checks.save_inputs} was not written")
     return result

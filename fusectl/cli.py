@@ -701,14 +701,17 @@ class SeedType(click.ParamType):
               help="Write the JSON report here (never over an input).")
 @click.option("--junit", "junit_path", type=click.Path(), default=None,
               help="Write JUnit XML here, for CI (never over an input).")
+@click.option("--html", "html_path", type=click.Path(), default=None, metavar="FILE.html",
+              help="Write the report as one self-contained HTML page here: failing checks first, "
+                   "statistics, error histograms (never over an input).")
 @config_option
 @order_option
 @click.option("--param-order-out", "param_order_out", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="As --param-order, for CANDIDATE's optimizer (the fused model's named_parameters() order), "
                    "where the shapes do not prove it.")
 def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
-               tolerances, runs, save_inputs, localize, report_path, junit_path, config_path, param_order,
-               param_order_out):
+               tolerances, runs, save_inputs, localize, report_path, junit_path, html_path, config_path,
+               param_order, param_order_out):
     """Prove CANDIDATE computes what REFERENCE computes; exit 1 when it does not.
 
     Two .onnx models: both run on onnxruntime with the same inputs and every output is
@@ -726,6 +729,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
       fusectl verify original.onnx fused.onnx --runs 8 --tol logits=1e-4 --save-inputs failing.npz
       fusectl verify original.onnx fused.onnx --localize --report verify.json
+      fusectl verify original.onnx fused.onnx --report verify.json --html verify.html
     """
     ctx = click.get_current_context()
     parsed = {}
@@ -738,7 +742,8 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
             parsed[option][name] = value
     report = _api().verify(reference, candidate, rules=rules, provider=provider, atol=atol, rtol=rtol,
                         shapes=parsed["--input"], dims=parsed["--dim"], inputs=inputs_file, seed=seed,
-                        config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note,
+                        config=config_path, **_inputs(), report=report_path, junit=junit_path, html=html_path,
+                        on_note=_note,
                         param_order=param_order, param_order_out=param_order_out,
                         output_checks=_api().OutputChecks(tolerances=parsed["--tol"], runs=runs,
                                                           save_inputs=save_inputs, localize=localize))

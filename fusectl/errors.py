@@ -106,6 +106,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "seed": ("--seed", _VALUE, "N"),
     "report": ("--report", _VALUE, "FILE"),
     "junit": ("--junit", _VALUE, "FILE"),
+    "html": ("--html", _VALUE, "FILE"),
 }
 
 _CLI, _API = "cli", "api"

@@ -202,6 +202,33 @@ def test_statistics_over_chunks_are_numpys_over_the_whole_array(monkeypatch, chu
                   | (~finite & ~np.isnan(r) & ~np.isnan(k) & (r != k)))
     assert c.mismatches == int(np.count_nonzero(failed))
     assert c.first_mismatch == [int(i) for i in np.unravel_index(int(np.argmax(failed)), ref.shape)]
+    bounds = [10.0 ** e for e in c.histogram["edges_log10"]]  # |a−b| by decade, counted on the whole array
+    decades = ([int(np.count_nonzero((diff > 0) & (diff < bounds[0])))]
+               + [int(np.count_nonzero((diff >= low) & (diff < high))) for low, high in zip(bounds, bounds[1:])]
+               + [int(np.count_nonzero(diff >= bounds[-1]))])
+    assert c.histogram["counts"] == decades and c.histogram["zero"] == int(np.count_nonzero(diff == 0))
+    assert c.histogram["zero"] + sum(c.histogram["counts"]) == c.compared == diff.size
+
+
+def test_the_histogram_bins_by_decade_from_below_the_first_edge_to_past_the_last():
+    ref = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1e308, np.nan, 0.0])
+    cand = np.array([1.0, 1.0 + 1e-13, 1.0 + 1e-5, 1.5, 5e3, -1e308, np.nan, 0.0])
+    c = compare("y", ref, cand)
+    histogram = c.histogram
+    assert histogram["edges_log10"] == list(range(-12, 4)) and len(histogram["counts"]) == 17
+    at = {e: histogram["counts"][i + 1] for i, e in enumerate(histogram["edges_log10"][:-1])}  # [1e(e), 1e(e+1))
+    assert histogram["counts"][0] == 1  # 1e-13 (as float64 rounds it): below 1e-12
+    assert at[-5] == 1  # (1 + 1e-5) - 1 is 1.0000000000065512e-05 in float64
+    assert at[-1] == 1  # 0.5
+    assert histogram["counts"][-1] == 2  # 4999, and inf: 1e308 - -1e308 overflows float64
+    assert histogram["zero"] == 2 and histogram["zero"] + sum(histogram["counts"]) == c.compared == 7
+
+
+def test_exact_and_mismatched_comparisons_have_no_histogram():
+    assert compare("s", np.array(["a"]), np.array(["b"])).histogram is None
+    assert compare("y", np.zeros(3, np.float32), np.zeros(4, np.float32)).histogram is None
+    nothing = compare("y", np.full(3, np.nan), np.full(3, np.nan)).histogram
+    assert nothing["zero"] == 0 and sum(nothing["counts"]) == 0
 
 
 @pytest.mark.parametrize("elements", [1 << 21, 1 << 23])  # 8 MB and 32 MB of float32

@@ -1,4 +1,5 @@
-"""Verification reports: human text, stable JSON (``--report``) and JUnit XML (``--junit``)."""
+"""Verification reports: human text, stable JSON (``--report``), JUnit XML (``--junit``) and one
+self-contained HTML page (``--html``, :mod:`fusectl.verification.html_report`)."""
 
 from __future__ import annotations
 
@@ -143,11 +144,19 @@ class VerifyReport:
         """The JSON report (:meth:`to_json`) as ``--report`` writes it: indented, one final newline."""
         return (json.dumps(self.to_json(), indent=2) + "\n").encode()
 
+    def to_html(self) -> bytes:
+        """The HTML page ``--html`` writes, made from :meth:`to_json` (so its numbers are the JSON's)."""
+        from .html_report import html_page
+
+        return html_page(self.to_json())
+
     def write(self, *, json_path: str | None = None, junit_path: str | None = None,
-              inputs: Sequence[str] = (), on_note: Callable[[str], None] | None = None,
+              html_path: str | None = None, inputs: Sequence[str] = (),
+              on_note: Callable[[str], None] | None = None,
               extra: Sequence[tuple[str, Callable[[], bytes]]] = ()) -> None:
-        """Write the JSON report to ``json_path`` and JUnit XML to ``junit_path`` (either may be None),
-        and each ``extra`` (path, what to write there) alike (``--save-inputs``).
+        """Write the JSON report to ``json_path``, JUnit XML to ``junit_path`` and the HTML page to
+        ``html_path`` (any may be None), and each ``extra`` (path, what to write there) alike
+        (``--save-inputs``).
 
         Each file is written under a temporary name beside it, flushed to disk and renamed into
         place (:func:`fusectl.io.atomic.atomic_output`), both renamed only once both are written:
@@ -168,7 +177,7 @@ class VerifyReport:
         >>> import shutil; shutil.rmtree(out.parent)
         """
         files = [(path, render) for path, render in ((json_path, self.to_json_bytes), (junit_path, self.to_junit),
-                                                     *extra) if path]
+                                                     (html_path, self.to_html), *extra) if path]
         streams = [(path, render) for path, render in files if _is_stream(path)]
         for path, render in streams:
             _write_stream(path, render())
