@@ -261,6 +261,11 @@ tp_option = click.option("--tp", "tp", type=click.IntRange(min=1), default=None,
                          help="With --to megatron: the tensor-parallel size (default 1).")
 pp_option = click.option("--pp", "pp", type=click.IntRange(min=1), default=None, metavar="M",
                          help="With --to megatron: the pipeline-parallel size (default 1).")
+ckpt_format_option = click.option(
+    "--ckpt-format", "ckpt_format", type=click.Choice(["torch", "torch_dist"]), default=None,
+    help="With --to megatron: Megatron-LM's checkpoint format: torch (default: legacy rank files) or torch_dist "
+         "(dist_checkpointing's global tensors, which megatron-core loads at any TP and PP; the model only: "
+         "a training input needs --drop-optimizer).")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
 order_option = click.option(
@@ -391,8 +396,9 @@ def with_output_options(fn):
 @to_option
 @tp_option
 @pp_option
+@ckpt_format_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp):
+             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp, ckpt_format):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -405,7 +411,8 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
                    param_order_out=param_order_out, param_order_from_model=param_order_from_model,
-                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp), as_json)
+                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp,
+                   ckpt_format=ckpt_format), as_json)
 
 
 @command(main, "unfuse")
@@ -423,8 +430,9 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @to_option
 @tp_option
 @pp_option
+@ckpt_format_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer, param_order, to, tp, pp):
+               untie_training, drop_optimizer, param_order, to, tp, pp, ckpt_format):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -434,7 +442,8 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp), as_json)
+                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp,
+                     ckpt_format=ckpt_format), as_json)
 
 
 @command(main, "convert")
@@ -449,8 +458,9 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 @to_option
 @tp_option
 @pp_option
+@ckpt_format_option
 def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json, param_order,
-                drop_optimizer, to, tp, pp):
+                drop_optimizer, to, tp, pp, ckpt_format):
     """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
 
     Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
@@ -466,7 +476,8 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     """
     _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
                       config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note,
-                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp), as_json)
+                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp,
+                      ckpt_format=ckpt_format), as_json)
 
 
 @command(main, "map")

@@ -64,6 +64,7 @@ from .torch_writer import write_torch_file
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
+_EXPERT = re.compile(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.([0-9]+)\..*")  # layer 0's experts
 _HOW = "a config.json (Hugging Face) with num_attention_heads and num_key_value_heads"
 # megatron-core's module order within a layer (local and Transformer Engine specs)
 _MODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
@@ -89,10 +90,11 @@ class GptSizes:
     swiglu: bool
     tied: bool
     bias: bool
+    experts: int = 0  # SequentialMLP experts per layer (0: a dense MLP)
 
 
 def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | None, tied: bool,
-             where: str) -> GptSizes:
+             where: str, moe: bool = False) -> GptSizes:
     """The sizes of the model ``tensors`` (megatron-core's TP=1 names), its head counts from
     ``config`` (Megatron's args or a Hugging Face config.json).
 
@@ -100,13 +102,16 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
     :param config: the config's values (None: none given).
     :param tied: whether the output layer shares the embedding.
     :param where: the input, as messages name it.
-    :raises PlanError: a config without head counts, tensors that disagree with it, an MoE model,
-        a name megatron-core's GPT does not have.
+    :param moe: SequentialMLP experts (``mlp.experts.local_experts.E``) and routers are written
+        (torch_dist stacks them over the experts, whatever the expert parallelism).
+    :raises PlanError: a config without head counts, tensors that disagree with it, an MoE model
+        (without ``moe``), a name megatron-core's GPT does not have.
     """
     for name in tensors:
-        if ".experts." in name or name.endswith(".router.weight"):
-            raise PlanError(f"{where}: {quote(name)} is an MoE expert's; fusectl does not write Megatron's "
-                            "expert-parallel layout yet — write the model to a folder or a .safetensors file instead")
+        if not moe and (".experts." in name or name.endswith(".router.weight")):
+            raise PlanError(f"{where}: {quote(name)} is an MoE expert's; fusectl does not write Megatron's legacy "
+                            f"expert-parallel layout yet — write {option('ckpt_format', 'torch_dist')}, or the model "
+                            "to a folder or a .safetensors file instead")
         if parallel_kind(name, True, 2) is None:
             raise PlanError(f"{where}: {quote(name)} is not a tensor of megatron-core's GPT (TP=1 names), so "
                             "fusectl cannot tell how Megatron splits it; convert a Hugging Face Llama with the "
@@ -117,8 +122,12 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
                         "without gaps")
     qkv, proj = _need(tensors, "decoder.layers.0.self_attention.linear_qkv.weight", where), \
         _need(tensors, "decoder.layers.0.self_attention.linear_proj.weight", where)
-    fc1, fc2 = _need(tensors, "decoder.layers.0.mlp.linear_fc1.weight", where), \
-        _need(tensors, "decoder.layers.0.mlp.linear_fc2.weight", where)
+    experts = {int(m.group(1)) for m in map(_EXPERT.fullmatch, tensors) if m}
+    mlp = "decoder.layers.0.mlp." + ("experts.local_experts.0." if experts else "")
+    if experts and experts != set(range(len(experts))):
+        raise PlanError(f"{where}: layer 0 holds experts {sorted(experts)[:8]}; megatron-core numbers a layer's "
+                        "experts 0 … without gaps")
+    fc1, fc2 = _need(tensors, mlp + "linear_fc1.weight", where), _need(tensors, mlp + "linear_fc2.weight", where)
     embedding = _need(tensors, _EMBEDDING, where)
     hidden = embedding.spec.shape[1] if len(embedding.spec.shape) == 2 else 0
     cfg = dict(config or {})
@@ -139,7 +148,7 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
     swiglu = fc1.spec.shape[:1] == (2 * fc2.spec.shape[-1],)
     ffn = fc2.spec.shape[-1]
     return GptSizes(len(layers), hidden, ffn, heads, groups, head_dim, embedding.spec.shape[0], swiglu, tied,
-                    any(n.endswith(".bias") and "layernorm" not in n for n in tensors))
+                    any(n.endswith(".bias") and "layernorm" not in n for n in tensors), len(experts))
 
 
 def _need(tensors: Mapping[str, LazyTensor], name: str, where: str) -> LazyTensor:
@@ -205,7 +214,7 @@ def _module_rank(local: str) -> int:
     return next((i for i, m in enumerate(_MODULES) if local.startswith(m)), len(_MODULES))
 
 
-def _order(names: Sequence[str]) -> list[str]:
+def module_order(names: Sequence[str]) -> list[str]:
     """``names`` in megatron-core's state-dict order (the input's order within a module)."""
     def key(item: tuple[int, str]) -> tuple:
         i, name = item
@@ -225,7 +234,7 @@ def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp:
     """(tp rank, pp stage) → that rank's ``model`` state dict (tensors, and None for each linear
     module's ``_extra_state``), in megatron-core's order."""
     per_stage = sizes.num_layers // pp
-    names = _order(list(tensors))
+    names = module_order(list(tensors))
     if sizes.tied and _OUTPUT not in tensors:
         # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
         # output layer's extra state is stored
@@ -474,9 +483,10 @@ def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None]
 
 
 def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Mapping[str, object] | None,
-                  dtype: str) -> object:
-    """The ``argparse.Namespace`` record Megatron-LM pickles into each rank file: the given
-    config's plain values where it is Megatron's own ``args``, then the sizes and parallelism."""
+                  dtype: str, ckpt_format: str = "torch") -> object:
+    """The ``argparse.Namespace`` record Megatron-LM pickles into each rank file (``common.pt``
+    for ``ckpt_format`` torch_dist): the given config's plain values where it is Megatron's own
+    ``args``, then the sizes, experts and parallelism."""
     base: dict[str, object] = {}
     if config and ("num_query_groups" in config or "tensor_model_parallel_size" in config):
         base = {k: v for k, v in config.items() if v is None or type(v) in (int, float, bool, str)}
@@ -496,9 +506,12 @@ def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Map
         num_query_groups=sizes.groups, kv_channels=sizes.head_dim, swiglu=sizes.swiglu,
         add_bias_linear=sizes.bias, untie_embeddings_and_output_weights=not sizes.tied,
         padded_vocab_size=sizes.vocab, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=1, num_experts=None, fp16=dtype == "F16", bf16=dtype == "BF16",
-        ckpt_format="torch", use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp,
+        expert_model_parallel_size=1, num_experts=sizes.experts or None, fp16=dtype == "F16", bf16=dtype == "BF16",
+        ckpt_format=ckpt_format, use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp,
         data_parallel_size=1)
+    if sizes.experts:
+        topk = (config or {}).get("moe_router_topk", (config or {}).get("num_experts_per_tok"))
+        base.update(moe_router_topk=topk if type(topk) is int else None, moe_grouped_gemm=False)
     base.setdefault("make_vocab_size_divisible_by", 1)
     base.setdefault("transformer_impl", "local")
     record = RECORDS.classes["argparse.Namespace"]()
@@ -540,7 +553,7 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     dtype = tensors[_EMBEDDING].spec.dtype.safetensors
     models = rank_models(tensors, sizes, tp, pp)
     args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype)
-    iteration_folder = os.path.join(folder, "release" if iteration is None else f"iter_{iteration:07d}")
+    iteration_folder = os.path.join(folder, iteration_name(iteration))
     written = copied = 0
     for (t, p), model in models.items():
         tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
@@ -556,10 +569,21 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
         rank = os.path.join(iteration_folder, rank_folder(t, p, 0, pp, 1))
         os.makedirs(rank, exist_ok=True)
         write_torch_file(os.path.join(rank, RANK_FILE), tree, metadata=metadata)
+    write_tracker(folder, iteration, config_text)
+    return len(models), written, copied
+
+
+def iteration_name(iteration: int | None) -> str:
+    """The iteration folder Megatron-LM saves ``iteration`` in (None: ``release``)."""
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def write_tracker(folder: str, iteration: int | None, config_text: bytes | None) -> None:
+    """``latest_checkpointed_iteration.txt`` (the iteration, or ``release``) in the save folder,
+    and ``config_text`` beside it as config.json, where Megatron-LM does not look."""
     with open(os.path.join(folder, MEGATRON_LATEST), "w", encoding="ascii") as f:
         f.write("release" if iteration is None else str(iteration))
     if config_text is not None:
         with open(os.path.join(folder, "config.json"), "wb") as f:
             f.write(config_text)
-    return len(models), written, copied
 
