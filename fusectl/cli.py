@@ -256,7 +256,7 @@ to_option = click.option(
          "folder (dcp: dcp.load reads it on any number of ranks) or a DeepSpeed universal checkpoint "
          "(ds-universal: DeepSpeed resumes from it on any world size); or write the model (megatron-core's "
          "names) as a Megatron-LM legacy save at --tp x --pp (megatron: each rank's Adam state split like its "
-         "parameters, the scheduler kept).")
+         "parameters, the scheduler kept), or as a torch_dist save with --ckpt-format torch_dist.")
 tp_option = click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
                          help="With --to megatron: the tensor-parallel size (default 1).")
 pp_option = click.option("--pp", "pp", type=click.IntRange(min=1), default=None, metavar="M",
@@ -468,7 +468,8 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     ranges are copied without decoding; shared storages and ties are written once. A training
     dict written to a PyTorch file keeps its optimizer state and every other entry; with --to,
     a training checkpoint is written whole to a DCP or DeepSpeed universal folder, or
-    (--to megatron --tp N --pp M) a model in megatron-core's names as Megatron-LM rank files.
+    (--to megatron --tp N --pp M) a model in megatron-core's names as Megatron-LM rank files
+    (--ckpt-format torch_dist: as a dist_checkpointing save).
 
     \b
     Example:
