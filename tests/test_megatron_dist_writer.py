@@ -141,6 +141,35 @@ def test_hugging_face_llama_to_torch_dist_and_unfuse_back(cli, tmp_path):
     assert restored == full  # the whole recorded history undone: megatron's parameters, names and bytes
 
 
+def test_mixtral_unfused_to_torch_dist_equals_megatrons_moe_save(cli, tmp_path):
+    """megatron's MoE parameters fused to a Hugging Face Mixtral, unfused straight to torch_dist:
+    the tensors of megatron's own EP=2 torch_dist save; args count the experts and the top-k."""
+    mixtral = tmp_path / "mixtral"
+    ok(cli("fuse", MEGATRON / "reference" / "moe-ep2-full.safetensors", "-r", "megatron-moe-to-mixtral", "--config",
+           MEGATRON / "hf-config" / "mixtral" / "config.json", "-o", mixtral))
+    shutil.copy(MEGATRON / "hf-config" / "mixtral" / "config.json", mixtral / "config.json")
+    out = tmp_path / "out"
+    ok(cli("unfuse", mixtral, "--to", "megatron", "--ckpt-format", "torch_dist", "-o", out))
+    assert_same_model(read_megatron_dist(str(out)).tensors, read_megatron_dist(str(MEGATRON / "moe-ep2-torch_dist")).tensors)
+    common, _ = read_torch_tree(str(out / "release" / "common.pt"), records=RECORDS)
+    assert (common["args"].field("num_experts"), common["args"].field("moe_router_topk")) == (4, 2)
+
+
+def test_api_keyword_and_the_legacy_default():
+    """``ckpt_format`` is the API's keyword: refused without ``to="megatron"``; ``"torch"`` writes
+    the legacy rank files, as leaving it out does."""
+    import tempfile
+
+    from fusectl import convert
+
+    folder = Path(tempfile.mkdtemp())
+    with pytest.raises(PlanError, match="ckpt_format"):
+        convert(str(MEGATRON / "gpt-tp2-torch_dist"), str(folder / "a"), ckpt_format="torch_dist")
+    assert not (folder / "a").exists()
+    convert(str(MEGATRON / "gpt-tp2-torch_dist"), str(folder / "b"), to="megatron", ckpt_format="torch", tp=2)
+    assert sorted(os.listdir(folder / "b" / "iter_0000010")) == ["mp_rank_00", "mp_rank_01"]
+
+
 def test_mapping_is_one_both_ways():
     """stacked_slot (the writer's) inverts layer_name (the reader's) over every fixture key."""
     for variant in DIST:

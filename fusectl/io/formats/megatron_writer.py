@@ -65,6 +65,7 @@ from .torch_writer import write_torch_file
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _EXPERT = re.compile(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.([0-9]+)\..*")  # layer 0's experts
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.([0-9]+)\.(.*)")  # an expert's tensor in its layer
 _HOW = "a config.json (Hugging Face) with num_attention_heads and num_key_value_heads"
 # megatron-core's module order within a layer (local and Transformer Engine specs)
 _MODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
@@ -210,12 +211,22 @@ def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     return assemble(TensorSpec(tensor.spec.dtype, local), pieces)
 
 
-def _module_rank(local: str) -> int:
-    return next((i for i, m in enumerate(_MODULES) if local.startswith(m)), len(_MODULES))
+def _module_rank(local: str) -> tuple[int, ...]:
+    """Where a layer's tensor ``local`` stands in megatron-core's order: its module's place; an
+    expert's after the router, expert by expert, each expert's modules in the same order."""
+    expert = _LOCAL_EXPERT.fullmatch(local)
+    if expert is not None:
+        return (_MODULES.index("mlp.router.") + 1, int(expert.group(1)), *_module_rank("mlp." + expert.group(2)))
+    return (next((i for i, m in enumerate(_MODULES) if local.startswith(m)), len(_MODULES)),)
 
 
 def module_order(names: Sequence[str]) -> list[str]:
-    """``names`` in megatron-core's state-dict order (the input's order within a module)."""
+    """``names`` in megatron-core's state-dict order (the input's order within a module).
+
+    >>> module_order(["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight",
+    ...               "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])[0]
+    'decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight'
+    """
     def key(item: tuple[int, str]) -> tuple:
         i, name = item
         m = _LAYER.fullmatch(name)
@@ -223,9 +234,9 @@ def module_order(names: Sequence[str]) -> list[str]:
             return (1, int(m.group(1)), _module_rank(m.group(2)), i)
         first = next((j for j, p in enumerate(_TOP_FIRST) if name.startswith(p)), None)
         if first is not None:
-            return (0, first, 0, i)
+            return (0, first, (), i)
         last = next((j for j, p in enumerate(_TOP_LAST) if name.startswith(p)), len(_TOP_LAST))
-        return (2, last, 0, i)
+        return (2, last, (), i)
     return [n for _, n in sorted(enumerate(names), key=key)]
 
 
