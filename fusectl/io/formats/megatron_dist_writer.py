@@ -96,12 +96,13 @@ def dist_items(tensors: Mapping[str, LazyTensor], sizes: GptSizes, where: str) -
             if tensor.spec != first.spec:
                 raise PlanError(f"{where}: {quote(name)} is {tensor.spec} but {quote(first_name)} is {first.spec}; "
                                 f"torch_dist stacks them into one tensor {quote(key)}, so every layer's must agree")
-            if all(i < n for i, n in zip(index, counts)):
-                flat = index[0] * (counts[1] if len(counts) > 1 else 1) + (index[1] if len(index) > 1 else 0)
+            if all(i < n for i, n in zip(index, counts)):  # else never taken: the ledger names it
+                flat = index[0] * counts[1] + index[1] if len(index) == 2 else index[0]
                 ledger.take(name, 0, key, flat, 1)
                 block = TensorSpec(tensor.spec.dtype, (1,) * len(index) + tensor.spec.shape)
                 blocks.append(((*index, *(0,) * len(tensor.spec.shape)), Reshaped(block, tensor)))
-        items.append((key, Chunked(TensorSpec(first.spec.dtype, (*counts, *first.spec.shape)), tuple(sorted(blocks, key=lambda b: b[0])))))
+        blocks.sort(key=lambda block: block[0])
+        items.append((key, Chunked(TensorSpec(first.spec.dtype, (*counts, *first.spec.shape)), tuple(blocks))))
         module = _LINEAR.fullmatch(key)
         if module is not None:
             shape = ".".join(map(str, counts))
