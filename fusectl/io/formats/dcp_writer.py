@@ -27,6 +27,10 @@ under ``model``, the optimizer under ``optim`` in the form ``get_state_dict`` / 
 use (``state`` and each group's ``params`` keyed by parameter name): an optimizer keyed by ids
 (torch's ``state_dict()``, DeepSpeed's, with ``param_names`` or fusectl's record of the names) is
 converted; one keyed by name (read from a DCP folder) is written as read.
+
+:func:`write_items` writes the two files from flattened items alone, for a format built on DCP
+(Megatron's torch_dist, :mod:`.megatron_dist_writer`): a :class:`Chunked` tensor is written as
+its blocks, one chunk and one item each (a stacked tensor layer by layer).
 """
 
 from __future__ import annotations
