@@ -35,7 +35,8 @@ from fusectl.io.formats.megatron import RECORDS
 MEGATRON = FIXTURES / "megatron"
 CONFIG = MEGATRON / "hf-config" / "llama" / "config.json"
 DIST = ("gpt-tp2-torch_dist", "tied-tp2-pp2-torch_dist", "moe-ep2-torch_dist")
-LEGACY = ("gpt-tp2-legacy", "gpt-tp2-pp2-legacy", "tied-tp2-legacy", "tied-tp2-pp2-legacy")
+LEGACY = ("gpt-tp2-legacy", "gpt-tp2-pp2-legacy", "tied-tp2-legacy", "tied-tp2-pp2-legacy", "moe-ep2-legacy",
+          "moe-tp2-legacy")
 
 
 def assert_same_model(written, original) -> None:
@@ -239,10 +240,11 @@ def _interpreter() -> str | None:
         return str(VENV) if VENV.exists() else None
 
 
-def load_and_compare(rank: int, world: int, name: str, written: str, original: str, out: str, port: int) -> None:
-    """One rank: megatron-core's GPTModel at TP=world (EP=world for MoE) loads fusectl's save and
-    megatron's own with ``dist_checkpointing.load``; every parameter bitwise equal; the logits of
-    fusectl's saved on TP rank 0."""
+def load_and_compare(rank: int, world: int, name: str, written: str, original: str, out: str, tp: str, pp: str,
+                     port: int) -> None:
+    """One rank: megatron-core's GPTModel at ``tp`` × ``pp`` (the other ranks expert-parallel)
+    loads fusectl's save and megatron's own with ``dist_checkpointing.load``; every parameter
+    bitwise equal; the logits of fusectl's saved by the last stage's first TP rank."""
     import torch
     import torch.distributed as dist
 
@@ -250,13 +252,13 @@ def load_and_compare(rank: int, world: int, name: str, written: str, original: s
     from megatron.core import dist_checkpointing, parallel_state
 
     spec = g.VARIANTS[name]
-    ep = world if spec["experts"] else 1
-    tp = 1 if spec["experts"] else world
-    parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+    tp, pp = int(tp), int(pp)
+    ep = world // (tp * pp)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     models = []
     for folder in (written, original):
         torch.manual_seed(g.SEED + 1)  # a fresh init: everything must come from the load
-        model = g.build_model(spec, tp, 1, ep)
+        model = g.build_model(spec, tp, pp, ep)
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(iteration(Path(folder))))
         model.load_state_dict(loaded["model"])
         models.append(model)
@@ -268,7 +270,8 @@ def load_and_compare(rank: int, world: int, name: str, written: str, original: s
     models[0].eval()
     with torch.no_grad():
         logits, _ = g.pipeline_forward(models[0], g.reference_ids(), grad=False)
-    if parallel_state.get_tensor_model_parallel_rank() == 0 and rank == 0:
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0 and \
+            parallel_state.get_data_parallel_rank() == 0:
         np.save(out, logits.numpy())
     dist.barrier()
     dist.destroy_process_group()
@@ -276,10 +279,11 @@ def load_and_compare(rank: int, world: int, name: str, written: str, original: s
 
 @pytest.mark.parametrize("variant, source", [("gpt-tp2", "gpt-tp2-torch_dist"), ("tied-tp2-pp2", "tied-tp2-pp2-torch_dist"),
                                              ("moe-ep2", "moe-ep2-torch_dist"), ("gpt-tp2", "reference/gpt-tp2-full.safetensors")])
-def test_megatron_core_loads_the_written_save_at_tp2_and_tp1(cli, tmp_path, variant, source):
+def test_megatron_core_loads_the_written_save_at_any_parallelism(cli, tmp_path, variant, source):
     """megatron-core's own dist_checkpointing.load of fusectl's save, at TP=2 and TP=1 (EP=2 and
-    EP=1 for MoE), gives every parameter bitwise as its load of megatron's save, and the logits
-    megatron-core computed before saving (within 1e-5)."""
+    EP=1 for MoE; TP=2 × PP=2 too for the tied model, whose last stage loads its head from the
+    embedding's key), gives every parameter bitwise as its load of megatron's save, and the
+    logits megatron-core computed before saving (within 1e-5)."""
     python = _interpreter()
     if python is None:
         pytest.skip("torch and megatron-core are not installed here (nor /work/venvs/megatron)")
@@ -288,19 +292,20 @@ def test_megatron_core_loads_the_written_save_at_tp2_and_tp1(cli, tmp_path, vari
     ok(cli("convert", MEGATRON / source, *config, "--to", "megatron", "--ckpt-format", "torch_dist", "-o", out))
     reference = np.load(MEGATRON / "reference" / f"{variant}.npz")
     root = Path(__file__).resolve().parent.parent
-    for world in (2, 1):
-        logits = tmp_path / f"logits-{world}.npy"
+    layouts = {"moe-ep2": [(1, 1, 2), (1, 1, 1)], "tied-tp2-pp2": [(2, 1, 2), (1, 1, 1), (2, 2, 4)]}
+    for tp, pp, world in layouts.get(variant, [(2, 1, 2), (1, 1, 1)]):
+        logits = tmp_path / f"logits-{tp}-{pp}-{world}.npy"
         run = subprocess.run([python, __file__, variant, str(out), str(MEGATRON / f"{variant}-torch_dist"),
-                              str(logits), str(world)], capture_output=True, text=True, timeout=300, cwd=root,
-                             env={**os.environ, "PYTHONPATH": str(root)})
+                              str(logits), str(tp), str(pp), str(world)], capture_output=True, text=True,
+                             timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
         assert run.returncode == 0, run.stderr[-3000:]
         got = np.load(logits)
         assert got.shape == reference["logits"].shape
-        assert np.abs(got - reference["logits"]).max() <= 1e-5, world
+        assert np.abs(got - reference["logits"]).max() <= 1e-5, (tp, pp, world)
 
 
 if __name__ == "__main__":  # the ranks of the test above, spawned by torch.multiprocessing
     import torch.multiprocessing as mp
 
     port = 29700 + os.getpid() % 1000
-    mp.spawn(load_and_compare, args=(int(sys.argv[5]), *sys.argv[1:5], port), nprocs=int(sys.argv[5]))
+    mp.spawn(load_and_compare, args=(int(sys.argv[7]), *sys.argv[1:7], port), nprocs=int(sys.argv[7]))
