@@ -224,15 +224,16 @@ def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
 CKPT_FORMATS = ("torch", "torch_dist")  # Megatron-LM's --ckpt-format: legacy rank files, dist_checkpointing
 
 
-def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, int | None],
+def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, ...],
                     drop_optimizer: bool, max_shard_size: int | None, ckpt_format: str | None = None) -> None:
-    """``tp``/``pp`` (``parallel``) and ``ckpt_format`` go with ``to="megatron"`` only, which
+    """``tp``/``pp``/``ep`` (``parallel``) and ``ckpt_format`` go with ``to="megatron"`` only, which
     writes a folder: PlanError for a file output, a ``ckpt_format`` Megatron-LM does not have, a
     Hugging Face Trainer folder's optimizer (not megatron-core's param groups) or any optimizer
     with ``ckpt_format="torch_dist"`` (whose sharded optimizer state fusectl does not write) not
     dropped on purpose, a shard size; CheckpointError for an optimizer the reader could not map,
     not dropped on purpose."""
-    given = [name for name, value in zip(("tp", "pp", "ckpt_format"), (*parallel, ckpt_format)) if value is not None]
+    given = [name for name, value in zip(("tp", "pp", "ep", "ckpt_format"), (*parallel, ckpt_format))
+             if value is not None]
     if to != "megatron":
         if given:
             what = "the format" if given[0] == "ckpt_format" else "the parallelism"
@@ -291,11 +292,11 @@ def _config_text(checkpoint: Checkpoint) -> bytes | None:
         return f.read()
 
 
-def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, int | None],
+def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, ...],
                     force: bool, on_note: Callable[[str], None] | None, recorded: Plan,
                     ckpt_format: str | None = None) -> FuseReport:
     """Write ``table`` (megatron-core's TP=1 names) alone as a Megatron-LM save folder ``out``
-    at ``parallel`` (tp, pp; 1 where not given): legacy rank files (``io.formats.megatron_writer``)
+    at ``parallel`` (tp, pp, ep; 1 where not given): legacy rank files (``io.formats.megatron_writer``)
     or, with ``ckpt_format="torch_dist"``, dist_checkpointing's global tensors
     (``io.formats.megatron_dist_writer``); ``recorded`` its provenance, the input's config.json
     beside it. The head counts come from the checkpoint's config, else (a Megatron input) its
@@ -305,13 +306,13 @@ def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, paralle
     from .io.formats.megatron_dist_writer import write_megatron_dist
     from .io.formats.megatron_writer import write_megatron
     from .write import output_metadata
-    tp, pp = (value if value is not None else 1 for value in parallel)
+    tp, pp, ep = (value if value is not None else 1 for value in parallel)
     config, iteration, tied = _megatron_facts(checkpoint, table)
     tensors = {n: table[n] for n in table.entries if not (tied and n == _HEAD)}
     _, provenance = output_metadata(table, recorded, checkpoint.metadata)
     writer = write_megatron_dist if ckpt_format == "torch_dist" else write_megatron
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
-        _, written, copied = writer(temp, tensors, tp=tp, pp=pp, config=config, tied=tied,
+        _, written, copied = writer(temp, tensors, tp=tp, pp=pp, ep=ep, config=config, tied=tied,
                                     iteration=iteration, where=printable(str(checkpoint.path)),
                                     metadata=provenance, config_text=_config_text(checkpoint))
     unique = sum(t.spec.nbytes for t in {id(t): t for t in tensors.values()}.values())
@@ -323,18 +324,18 @@ def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, paralle
                       optimizer=fate)
 
 
-def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[int | None, int | None],
+def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[int | None, ...],
                      on_note: Callable[[str], None] | None) -> Callable[..., None]:
     """The writer ``training_output`` calls (as it calls ``TARGETS``' ones) with the whole
     (TP=1) training tree of a checkpoint whose optimizer is kept: its model and optimizer split
-    over ``parallel`` (tp, pp) Megatron-LM rank files (``megatron_writer.whole_optimizer``: a
+    over ``parallel`` (tp, pp, ep) Megatron-LM rank files (``megatron_writer.whole_optimizer``: a
     PlanError for an optimizer it cannot map), the input's ``opt_param_scheduler`` in each (a
     note where it has none), fusectl's record in each rank file, the config.json beside."""
     from .io.formats.megatron_writer import whole_optimizer, write_megatron
     from .io.key_path import node_at
     from .io.optimizer_state import RECORD_KEYS
     from .tensors import LazyTensor
-    tp, pp = (value if value is not None else 1 for value in parallel)
+    tp, pp, ep = (value if value is not None else 1 for value in parallel)
     config, iteration, tied = _megatron_facts(checkpoint, table)
     where = printable(str(checkpoint.path))
 
@@ -346,7 +347,7 @@ def _megatron_target(checkpoint: Checkpoint, table: ParamTable, parallel: tuple[
         scheduler = _megatron_scheduler(checkpoint, root)
         found = iteration if iteration is not None else \
             (root.get("iteration") if isinstance(root, dict) and type(root.get("iteration")) is int else None)
-        write_megatron(folder, tensors, tp=tp, pp=pp, config=config, tied=tied, iteration=found or None,
+        write_megatron(folder, tensors, tp=tp, pp=pp, ep=ep, config=config, tied=tied, iteration=found or None,
                        where=where, optimizer=whole, scheduler=scheduler,
                        metadata={k: v for k, v in metadata.items() if k not in RECORD_KEYS},
                        config_text=_config_text(checkpoint))
@@ -656,7 +657,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          param_order: str | None = None, param_order_out: str | None = None,
          param_order_from_model: bool = False, drop_optimizer: bool = False,
          untie_training: bool = False, to: str | None = None, tp: int | None = None,
-         pp: int | None = None, ckpt_format: str | None = None) -> FuseReport:
+         pp: int | None = None, ep: int | None = None, ckpt_format: str | None = None) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -705,12 +706,14 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
         folder that ``dcp.load`` reads on any number of ranks, or a DeepSpeed universal
         checkpoint (PlanError for an input without an optimizer, or an output that is not a folder);
         or ``"megatron"``: the model (megatron-core's TP=1 names, as ``llama-to-megatron-gpt``
-        makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp``
+        makes them) as a Megatron-LM legacy save folder at ``tp`` × ``pp`` × ``ep``
         (``io.formats.megatron_writer``), with a training input's optimizer split over the
         ranks like its parameters (PlanError for one it cannot map, unless ``drop_optimizer``),
         the input's scheduler, fusectl's provenance in the rank files, its config.json beside.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
+    :param ep: with ``to="megatron"``: the expert-parallel size of an MoE model (default 1); its
+        experts must divide over it.
     :param ckpt_format: with ``to="megatron"``: Megatron-LM's ``--ckpt-format``: ``"torch"``
         (default: legacy rank files) or ``"torch_dist"``: dist_checkpointing's global tensors
         (``io.formats.megatron_dist_writer``), which megatron-core loads at any TP and PP; the
@@ -730,7 +733,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size, ckpt_format)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size, ckpt_format)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
@@ -744,7 +747,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, result, out, (tp, pp), force, on_note, history + planned.plan,
+        return _timed(_write_megatron(checkpoint, result, out, (tp, pp, ep), force, on_note, history + planned.plan,
                                       ckpt_format), started)
     twins = _moved_twins(checkpoint, planned.start, planned.plan, out, to)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
@@ -752,7 +755,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
                          whole_training=whole, param_order_out=param_order_out,
                          param_order_from_model=param_order_from_model, dropped=drop_optimizer,
                          untied=untied, twins=twins, state_copied=copied,
-                         to=_megatron_target(checkpoint, result, (tp, pp), on_note) if to == "megatron" else to),
+                         to=_megatron_target(checkpoint, result, (tp, pp, ep), on_note) if to == "megatron" else to),
                   started)
 
 
@@ -778,7 +781,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
            untie_training: bool = False, param_order: str | None = None, to: str | None = None,
-           tp: int | None = None, pp: int | None = None, ckpt_format: str | None = None) -> FuseReport:
+           tp: int | None = None, pp: int | None = None, ep: int | None = None,
+           ckpt_format: str | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
@@ -817,6 +821,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         model (its optimizer split with it, as :func:`fuse`'s) as a Megatron-LM legacy save.
     :param tp: as :func:`fuse`'s.
     :param pp: as :func:`fuse`'s.
+    :param ep: as :func:`fuse`'s.
     :param ckpt_format: as :func:`fuse`'s.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
@@ -834,7 +839,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size, ckpt_format)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size, ckpt_format)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     untie = untie or untie_training
     copied = False
@@ -880,12 +885,12 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, table, out, (tp, pp), force, on_note, history + new, ckpt_format),
+        return _timed(_write_megatron(checkpoint, table, out, (tp, pp, ep), force, on_note, history + new, ckpt_format),
                       started)
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
                          moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied,
-                         to=_megatron_target(checkpoint, table, (tp, pp), on_note) if to == "megatron" else to),
+                         to=_megatron_target(checkpoint, table, (tp, pp, ep), on_note) if to == "megatron" else to),
                   started)
 
 
@@ -905,7 +910,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
             key: str | None = None, progress: bool | None = False,
             on_note: Callable[[str], None] | None = None, param_order: str | None = None,
             drop_optimizer: bool = False, to: str | None = None, tp: int | None = None,
-            pp: int | None = None, ckpt_format: str | None = None) -> FuseReport:
+            pp: int | None = None, ep: int | None = None, ckpt_format: str | None = None) -> FuseReport:
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
@@ -936,6 +941,8 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
         Megatron-LM legacy save at ``tp`` × ``pp``.
     :param tp: with ``to="megatron"``: the tensor-parallel size (default 1).
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
+    :param ep: with ``to="megatron"``: the expert-parallel size of an MoE model (default 1); its
+        experts must divide over it.
     :param ckpt_format: with ``to="megatron"``: Megatron-LM's ``--ckpt-format``: ``"torch"``
         (default: legacy rank files) or ``"torch_dist"``: dist_checkpointing's global tensors
         (``io.formats.megatron_dist_writer``), which megatron-core loads at any TP and PP; the
@@ -955,13 +962,13 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp), drop_optimizer, max_shard_size, ckpt_format)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size, ckpt_format)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size) and \
         not isinstance(checkpoint.training, TrainerOptimizer)
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp), force, on_note, history,
+        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp, ep), force, on_note, history,
                                       ckpt_format), started)
     table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:
@@ -969,7 +976,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     return _timed(_write(checkpoint, table, history, Plan(), out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, whole_training=whole, dropped=drop_optimizer,
                          state_copied=whole,
-                         to=_megatron_target(checkpoint, table, (tp, pp), on_note) if to == "megatron" else to),
+                         to=_megatron_target(checkpoint, table, (tp, pp, ep), on_note) if to == "megatron" else to),
                   started)
 
 
@@ -1130,7 +1137,9 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
     :param output_checks: models only: an :class:`~fusectl.verification.runs.OutputChecks` of
         per-output tolerances, the number of seeded runs (the report's ``runs`` gives the pass
         rate and the worst run) and an ``.npz`` to save the first failing run's inputs to (then
-        ``inputs=`` that file reproduces the failure; nothing is written when every run passes).
+        ``inputs=`` that file reproduces the failure; nothing is written when every run passes),
+        and whether to localize the first diverging node (by default when an output fails: the
+        report's ``localization``).
     :returns: a :class:`~fusectl.verification.report.VerifyReport`; ``.passed`` says whether
         the candidate computes the same, ``.to_json()`` is the ``--report`` object and
         ``.to_text()`` what ``verify`` prints.
@@ -1188,7 +1197,8 @@ def verify(reference, candidate, *, rules: Sequence[str] = (), provider: str = "
                 if value]
         used += [knob(flag, name) for flag, name, value in (
             ("--tol", "tolerances", checks.tolerances), ("--runs", "runs", checks.runs != 1),
-            ("--save-inputs", "save_inputs", checks.save_inputs)) if value]
+            ("--save-inputs", "save_inputs", checks.save_inputs),
+            ("--localize", "localize", checks.localize is not None)) if value]
         if used:
             raise VerifyError(f"{used[0]} applies to two .onnx models; with checkpoints, verify "
                               "makes its own inputs")

@@ -266,6 +266,9 @@ ckpt_format_option = click.option(
     help="With --to megatron: Megatron-LM's checkpoint format: torch (default: legacy rank files) or torch_dist "
          "(dist_checkpointing's global tensors, which megatron-core loads at any TP and PP; the model only: "
          "a training input needs --drop-optimizer).")
+ep_option = click.option("--ep", "ep", type=click.IntRange(min=1), default=None, metavar="E",
+                         help="With --to megatron: the expert-parallel size of an MoE model (default 1); its experts "
+                              "must divide over it.")
 adopt_option = click.option("--detect-ties", "adopt", is_flag=True,
                             help="Adopt tensors with equal, non-constant content as ties.")
 order_option = click.option(
@@ -396,9 +399,11 @@ def with_output_options(fn):
 @to_option
 @tp_option
 @pp_option
+@ep_option
 @ckpt_format_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp, ckpt_format):
+             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp, ep,
+             ckpt_format):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -411,7 +416,7 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
                    param_order_out=param_order_out, param_order_from_model=param_order_from_model,
-                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp,
+                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp, ep=ep,
                    ckpt_format=ckpt_format), as_json)
 
 
@@ -430,9 +435,10 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @to_option
 @tp_option
 @pp_option
+@ep_option
 @ckpt_format_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer, param_order, to, tp, pp, ckpt_format):
+               untie_training, drop_optimizer, param_order, to, tp, pp, ep, ckpt_format):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -442,7 +448,7 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp,
+                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp, ep=ep,
                      ckpt_format=ckpt_format), as_json)
 
 
@@ -458,9 +464,10 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 @to_option
 @tp_option
 @pp_option
+@ep_option
 @ckpt_format_option
 def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json, param_order,
-                drop_optimizer, to, tp, pp, ckpt_format):
+                drop_optimizer, to, tp, pp, ep, ckpt_format):
     """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
 
     Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
@@ -477,7 +484,7 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     """
     _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
                       config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note,
-                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp,
+                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp, ep=ep,
                       ckpt_format=ckpt_format), as_json)
 
 
@@ -700,6 +707,9 @@ class SeedType(click.ParamType):
               help="Run N seeded input sets (--seed, --seed+1, ...); the report gives the pass rate and the worst run.")
 @click.option("--save-inputs", "save_inputs", type=click.Path(dir_okay=False), default=None, metavar="FILE.npz",
               help="Write the inputs of the first failing run here; --inputs FILE.npz reproduces it.")
+@click.option("--localize/--no-localize", default=None,
+              help="Name the first node whose output differs, comparing intermediates a segment at a time "
+                   "(default: when an output fails).")
 @click.option("--report", "report_path", type=click.Path(), default=None,
               help="Write the JSON report here (never over an input).")
 @click.option("--junit", "junit_path", type=click.Path(), default=None,
@@ -710,11 +720,13 @@ class SeedType(click.ParamType):
               help="As --param-order, for CANDIDATE's optimizer (the fused model's named_parameters() order), "
                    "where the shapes do not prove it.")
 def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, dims, inputs_file, seed,
-               tolerances, runs, save_inputs, report_path, junit_path, config_path, param_order, param_order_out):
+               tolerances, runs, save_inputs, localize, report_path, junit_path, config_path, param_order,
+               param_order_out):
     """Prove CANDIDATE computes what REFERENCE computes; exit 1 when it does not.
 
     Two .onnx models: both run on onnxruntime with the same inputs and every output is
-    compared. Two checkpoints: the candidate's provenance (or -r RULES) is replayed on the
+    compared; when one fails (or with --localize), the first node whose output differs is named.
+    Two checkpoints: the candidate's provenance (or -r RULES) is replayed on the
     reference and compared tensor by tensor, the inverse is checked, ties are checked, and each
     step kind runs once per shape as a small onnxruntime computation. A training checkpoint's
     optimizer state is replayed too (each state tensor against the plan's steps on the
@@ -726,6 +738,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
       fusectl verify fixtures/tiny-llama-gqa fused/ --junit verify.xml
       fusectl verify original.onnx fused.onnx --dim batch=2 --dim sequence=16 --report verify.json
       fusectl verify original.onnx fused.onnx --runs 8 --tol logits=1e-4 --save-inputs failing.npz
+      fusectl verify original.onnx fused.onnx --localize --report verify.json
     """
     ctx = click.get_current_context()
     parsed = {}
@@ -741,7 +754,7 @@ def verify_cmd(reference, candidate, rules, provider, rtol, atol, input_shapes, 
                         config=config_path, **_inputs(), report=report_path, junit=junit_path, on_note=_note,
                         param_order=param_order, param_order_out=param_order_out,
                         output_checks=_api().OutputChecks(tolerances=parsed["--tol"], runs=runs,
-                                                          save_inputs=save_inputs))
+                                                          save_inputs=save_inputs, localize=localize))
     click.echo(report.to_text())
     if not report.passed:
         ctx.exit(EXIT_DIFFERENT)

@@ -102,6 +102,41 @@ def test_bad_layout_documents_are_refused(text, message):
         load_layout(text, "l.toml")
 
 
+def test_pipeline_and_expert_tables_number_layers_and_experts_from_zero_per_rank():
+    """The shipped [pipeline] / [experts]: what the reader renumbers a rank's names by and the
+    writer renumbers them back by (tests/test_megatron*.py prove the two on megatron's files)."""
+    layout = shipped_layout("megatron-core")
+    layers, experts = layout.layers, layout.experts
+    name = "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert (layers.index(name), experts.index(name)) == (3, 5)
+    # stage 1 of 2 of 4 layers, EP rank 1 of 2 of 8 experts: layer 1, expert 1
+    staged = layers.on_rank(name, 1, 2)
+    assert staged == "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"
+    assert experts.on_rank(staged, 1, 4) == "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"
+    assert layers.on_rank(name, 0, 2) is None and experts.on_rank(name, 0, 4) is None
+    assert experts.renumbered(experts.on_rank(name, 1, 4), 4) == name
+    assert experts.index("decoder.layers.0.mlp.experts.linear_fc1.weight0") is None  # grouped: not per rank
+    with pytest.raises(ValueError, match="move by -6"):
+        experts.renumbered(name, -6)
+    assert [layout.stage(n, 4) for n in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+                                         "output_layer.weight", "decoder.layers.0.input_layernorm.weight")] == \
+        [0, 3, 3, None]
+
+
+@pytest.mark.parametrize("body, message", [
+    ('[pipeline]\nlayers = "decoder.layers.{i}.{r*}"', "must hold one \\{x:int\\} placeholder"),
+    ('[pipeline]\nlayers = "layers.{i:int}.{j:int}.{r*}"', "must hold one \\{x:int\\} placeholder"),
+    ('[pipeline]\nlayers = 3', "layers: must be a name pattern"),
+    ('[pipeline]\nfirst = "embedding.{r*}"', "first: must be a list of name patterns"),
+    ('[pipeline]\nstages = 2', "unknown key 'stages'"),
+    ('[experts]\nexpert = "{p*}.experts.{i:int}"', "unknown key 'expert'"),
+    ('[experts]\nnames = "{p*}.experts.{i:int"', "malformed placeholder"),
+])
+def test_bad_pipeline_or_expert_tables_are_refused(body, message):
+    with pytest.raises(RuleError, match=message):
+        load_layout(_layout("axis = 0\n" + body), "l.toml")
+
+
 def test_unknown_kind_is_a_key_error():
     with pytest.raises(StopIteration):
         shipped_layout("megatron-core").kind("diagonal")

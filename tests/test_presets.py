@@ -42,6 +42,8 @@ PRESETS = {
                               [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkvo"] + ["lm_head.weight"]),
     "llama-to-megatron-gpt": ("tiny-llama-gqa", ["decoder.layers.0.self_attention.linear_qkv.weight",
                                                 "decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight"]),
+    "mixtral-to-megatron-moe": ("tiny-mixtral", ["decoder.layers.0.mlp.router.weight",
+                                                 "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]),
     "megatron-moe-to-mixtral": ("megatron/reference/moe-tp2-full.safetensors",
                                 [f"model.layers.0.block_sparse_moe.experts.3.w{n}.weight" for n in (1, 2, 3)]
                                 + ["model.layers.0.block_sparse_moe.gate.weight"]),

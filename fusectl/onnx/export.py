@@ -33,6 +33,10 @@ share in one ``ExportContext``):
 
 A graph below opset 13 is converted first (``fusectl.onnx.opset``).
 
+The checkpoint's provenance (the plan that fused it, :mod:`fusectl.io.provenance`) is recorded in
+the model's ``metadata_props`` under ``fusectl``, so that ``verify --localize`` can name the rule
+that made the weights of a node that diverges.
+
 The model is then saved (tensors streamed from the checkpoint) and checked with
 ``onnx.checker`` by path. Past ``EXTERNAL_DATA_THRESHOLD`` its tensors go to ``OUT.data``
 beside it: the model and its data are one group for ``fusectl.io.atomic.atomic_output``, which
@@ -52,6 +56,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 from ..errors import OutputError, printable, speaking_cli
 from ..io.atomic import atomic_output, temporary_name
 from ..io.checkpoint import Checkpoint
+from ..io.provenance import METADATA_KEY
 from .export_context import ExportContext, ExportError, IRBuilder
 from .graph import load_model
 from .opset import MIN_OPSET, default_opset, upgrade_opset
@@ -154,6 +159,8 @@ def export_model(checkpoint: Checkpoint, graph_path: str, out: str, *, force: bo
     model = upgrade_opset(model, graph_path)
     ctx = ExportContext(checkpoint, graph_path, model)
     run_passes(export_passes(ctx), model)
+    if checkpoint.provenance is not None:
+        model.metadata_props[METADATA_KEY] = checkpoint.provenance.dumps()
     total = sum(t.spec.nbytes for _, t in checkpoint.table.unique())
     external = total > EXTERNAL_DATA_THRESHOLD
     _save(model, out, external=external, force=force, on_note=on_note,

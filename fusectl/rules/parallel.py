@@ -18,6 +18,22 @@ column-parallel linear is ``axis = 0``, a row-parallel one ``axis = 1``, Megatro
 ranks' pieces by the layout and a writer, inverting it, cuts them, so one file describes the
 model at any TP (:meth:`Split.runs` gives both directions the same pieces).
 
+Pipeline stages and expert-parallel ranks hold consecutive blocks of layers and experts, each
+numbering its own from 0; the ``[pipeline]`` and ``[experts]`` tables name where that index is
+(one ``{x:int}`` placeholder, a :class:`Numbering`), and which names outside the layers only the
+first or the last stage holds::
+
+    [pipeline]
+    layers = "decoder.layers.{i:int}.{rest*}"    # stage p's layer i is layer p·L/PP + i
+    first  = ["embedding.{rest*}"]               # on the first stage only
+    last   = ["decoder.final_layernorm.{rest*}", "output_layer.{rest*}"]   # on the last only
+
+    [experts]
+    names = "{p*}.experts.local_experts.{i:int}.{module}.{tensor}"  # EP rank e's i: e·E/EP + i
+
+A reader renumbers each rank's names to the whole model's by the same tables a writer uses to
+renumber them back.
+
 :class:`Ledger` is the proof a conversion keeps of those pieces: every element of every source
 tensor taken exactly once (or the tensor is a copy of a replicated one, checked equal to the copy
 taken) and every element of every output tensor given exactly once. A layout that maps a tensor
@@ -37,8 +53,10 @@ from typing import Mapping, Sequence
 from ..errors import RuleError, quote
 from .patterns import Pattern
 
-_KEYS = {"version", "description", "parallel"}
+_KEYS = {"version", "description", "parallel", "pipeline", "experts"}
 _SPLIT_KEYS = {"kind", "names", "axis", "parts", "when"}
+_PIPELINE_KEYS = {"layers", "first", "last"}
+_EXPERTS_KEYS = {"names"}
 
 
 @dataclass(frozen=True)
@@ -76,12 +94,70 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Numbering:
+    """Names whose index ranks hold in consecutive blocks, each rank numbering its block from 0
+    (a pipeline stage's layers, an expert-parallel rank's experts): ``pattern``'s one
+    ``{x:int}`` placeholder is the index.
+
+    >>> layers = Numbering(Pattern.parse("decoder.layers.{i:int}.{rest*}"))
+    >>> layers.index("decoder.layers.3.mlp.linear_fc1.weight"), layers.index("output_layer.weight")
+    (3, None)
+    >>> layers.on_rank("decoder.layers.3.mlp.linear_fc1.weight", 1, 2)
+    'decoder.layers.1.mlp.linear_fc1.weight'
+    """
+
+    pattern: Pattern
+
+    @property
+    def _key(self) -> str:
+        return next(p.name for p in self.pattern.placeholders if p.kind == "int")
+
+    def index(self, name: str) -> int | None:
+        """The index in ``name``, or None where the pattern does not match it."""
+        binding = self.pattern.match(name)
+        return None if binding is None else int(binding[self._key])
+
+    def renumbered(self, name: str, delta: int) -> str:
+        """``name`` with its index moved by ``delta`` (a rank's local name to the whole model's:
+        the indices of the ranks before it).
+
+        :raises ValueError: a name the pattern does not match, an index that would go below 0."""
+        binding = self.pattern.match(name)
+        if binding is None or int(binding[self._key]) + delta < 0:
+            raise ValueError(f"{name!r} has no index {self.pattern.text!r} can move by {delta}")
+        return self.pattern.format({**binding, self._key: str(int(binding[self._key]) + delta)})
+
+    def on_rank(self, name: str, rank: int, per_rank: int) -> str | None:
+        """The name rank ``rank`` (each holding ``per_rank`` consecutive indices) holds the whole
+        model's ``name`` by, numbered from 0 there; None where another rank holds it."""
+        index = self.index(name)
+        if index is None or not rank * per_rank <= index < (rank + 1) * per_rank:
+            return None
+        return self.renumbered(name, -rank * per_rank)
+
+
+@dataclass(frozen=True)
 class Layout:
-    """A loaded layout file: its splits, first match wins."""
+    """A loaded layout file: its splits, first match wins; where the layers' and the experts'
+    index is (None: the file has no ``[pipeline]`` / ``[experts]`` table), and which names
+    outside the layers the first stage alone holds, or the last."""
 
     source: str
     description: str
     splits: tuple[tuple[tuple[Pattern, ...], str | None, Split], ...]
+    layers: Numbering | None = None
+    first: tuple[Pattern, ...] = ()
+    last: tuple[Pattern, ...] = ()
+    experts: Numbering | None = None
+
+    def stage(self, name: str, stages: int) -> int | None:
+        """The stage of ``stages`` that holds ``name``, a name outside the layers: 0 for a
+        ``first`` name, the last for a ``last`` one; None for a name the layout places on none."""
+        if any(p.match(name) is not None for p in self.first):
+            return 0
+        if any(p.match(name) is not None for p in self.last):
+            return stages - 1
+        return None
 
     def split_of(self, name: str, flags: Mapping[str, object]) -> Split | None:
         """The split of tensor ``name`` in a save whose flags (its args) are ``flags``: the first
@@ -151,7 +227,35 @@ def load_layout(text: str, source: str) -> Layout:
     description = doc.get("description", "")
     if not isinstance(description, str):
         raise RuleError(f"{source}: description must be a string")
-    return Layout(source, description, tuple(splits))
+    pipeline, experts = doc.get("pipeline", {}), doc.get("experts")
+    if not isinstance(pipeline, dict) or experts is not None and not isinstance(experts, dict):
+        raise RuleError(f"{source}: [pipeline] and [experts] must be tables")
+    _known(pipeline, _PIPELINE_KEYS, f"{source} [pipeline]")
+    layers = _numbering(pipeline["layers"], f"{source} [pipeline] layers") if "layers" in pipeline else None
+    first, last = (_patterns(pipeline.get(k, []), f"{source} [pipeline] {k}") for k in ("first", "last"))
+    if experts is not None:
+        _known(experts, _EXPERTS_KEYS, f"{source} [experts]")
+        experts = _numbering(experts.get("names"), f"{source} [experts] names")
+    return Layout(source, description, tuple(splits), layers, first, last, experts)
+
+
+def _patterns(texts: object, where: str) -> tuple[Pattern, ...]:
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise RuleError(f"{where}: must be a list of name patterns")
+    try:
+        return tuple(Pattern.parse(t) for t in texts)
+    except RuleError as e:
+        raise RuleError(f"{where}: {e}") from None
+
+
+def _numbering(text: object, where: str) -> Numbering:
+    if not isinstance(text, str):
+        raise RuleError(f"{where}: must be a name pattern")
+    pattern = _patterns([text], where)[0]
+    if sum(p.kind == "int" for p in pattern.placeholders) != 1:
+        raise RuleError(f"{where}: {quote(text)} must hold one {{x:int}} placeholder, the index ranks number "
+                        "from 0")
+    return Numbering(pattern)
 
 
 @functools.cache

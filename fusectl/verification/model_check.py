@@ -16,6 +16,7 @@ from ..tolerance import default_tolerance
 from .compare import check_tolerance, compare
 from .input_ranges import DEFAULT, IntegerRange, integer_input_ranges
 from .inputs_file import load_inputs_file
+from .localize import Localization, localize_models
 from .report import Check, VerifyReport
 from .runner import (CPU, check_seed, declared_arrays, declared_shapes, make_inputs, ort_values,
                      random_integer_inputs, resolve_provider, run, session)
@@ -38,16 +39,20 @@ class ModelVerifyReport(VerifyReport):
     runs: dict | None = None
     # the inputs of the first failing run, for ``--save-inputs`` (not in the JSON)
     failing_inputs: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    # where the graphs first diverge (``--localize``, or after a failing output); None: not looked for
+    localization: Localization | None = None
 
     def to_json(self) -> dict:
-        """The report's JSON (``--report``), with ``shared_initializers``, the named ``dims`` and
-        the ``runs`` added."""
+        """The report's JSON (``--report``), with ``shared_initializers``, the named ``dims``, the
+        ``runs`` and the ``localization`` (null when it did not run) added."""
         return {**super().to_json(), "shared_initializers": dict(self.shared), "runs": self.runs,
+                "localization": self.localization.to_json() if self.localization is not None else None,
                 "dims": dict(self.dims)}
 
     def to_text(self) -> str:
         """The report's text, with a line listing the inputs (and the dims and random integer
-        ranges they were made with) after the first, and one saying what both sessions shared."""
+        ranges they were made with) after the first, and one saying what both sessions shared; the
+        localization's lines before the result's."""
         head, *rest = super().to_text().split("\n")
         inputs = ", ".join(f"{printable(i['name'])} {i['dtype']}{i['shape']}"
                            + (" from file" if i["source"] == "file" else "") for i in self.inputs)
@@ -63,6 +68,8 @@ class ModelVerifyReport(VerifyReport):
                      "loaded once for both sessions")
         if self.runs and self.runs["count"] > 1:
             line += "\n" + self._runs_text()
+        if self.localization is not None:
+            rest[-1:-1] = self.localization.text_lines()
         return "\n".join([head, line, *rest])
 
     def _runs_text(self) -> str:
@@ -189,7 +196,10 @@ def verify_models(
     with several, the report's checks are the worst run's (the most failing checks, then the most
     mismatched elements, then the earliest), ``runs`` holds the pass rate and each output's worst
     statistics, and ``failing_inputs`` the first failing run's inputs. An output check that
-    compared no finite element fails.
+    compared no finite element fails. ``output_checks.localize`` (by default, a failing output)
+    then looks for the first node whose output differs, on the first failing run's inputs (else
+    the first run's): the report's ``localization``
+    (:func:`fusectl.verification.localize.localize_models`).
 
     :raises VerifyError: see :func:`fusectl.api.verify`; also a ``tolerances`` name that is no
         output, and several runs when every input is given (each run would be the same).
@@ -225,6 +235,7 @@ def verify_models(
     default_atol, default_rtol = default_tolerance(ml_dtypes.bfloat16) if upcast else (None, None)
     base_atol, base_rtol = default_atol if atol is None else atol, default_rtol if rtol is None else rtol
     tally = RunTally(seed)
+    first_feeds = None  # the first run's inputs, to localize on when every run passes
     for index in range(checks.runs):
         feeds, specs, named = make_inputs(ref_sess, given, shapes or {}, dims or {}, seed + index, reference,
                                           hints=declared_shapes(cand_sess), ranges=ranges)
@@ -253,10 +264,21 @@ def verify_models(
             run_checks.append(Check("output", name, False, detail=f"{reference} has no output {name!r}"))
         del ref_out, cand_out  # one run's outputs at a time
         tally.add(seed + index, run_checks, feeds)
+        if index == 0 and checks.localize:
+            first_feeds = feeds
         del feeds
+    ref_sess = cand_sess = None  # several runs kept both sessions: localizing runs its own
     report = ModelVerifyReport("model", reference, candidate, chosen, seed=seed, dims=named, shared=shared.to_json(),
                                precision="fp32-upcast" if upcast else "native",
                                inputs=[_input_entry(s) for s in specs], runs=tally.to_json(),
                                failing_inputs=tally.failing_inputs)
     report.checks = list(tally.worst[3])
+    if checks.localize or (checks.localize is None and not report.passed):
+        failing = tally.first_failing
+        which = "the first failing run" if failing else "the first run"
+        if random_inputs:
+            which += f" (seed {failing[1] if failing else seed})"
+        report.localization = localize_models(
+            reference, candidate, tally.failing_inputs or first_feeds, provider=chosen, atol=base_atol,
+            rtol=base_rtol, initializers=values, upcast=upcast, note=f"inputs of {which}")
     return report

@@ -79,12 +79,15 @@ def ort_values(arrays: Mapping[str, np.ndarray]) -> dict:
     return {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
 
 
-def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None):
+def session(model: str | bytes, provider: str, what: str, initializers: Mapping[str, object] | None = None,
+            *, external_folder: str | None = None):
     """An InferenceSession that really runs on ``provider`` (strict fp32: TF32 off on CUDA).
 
     ``initializers`` (OrtValues by name, :func:`ort_values`) replace the model's own tensors of
     those names, so that two sessions can run on one copy; pre-packing is then off, since a
     kernel's packed copy of a shared weight would be one more copy in each session.
+    ``external_folder``: where the external data of a ``model`` given as bytes lies (the folder
+    of the file it was read from).
     """
     ort = _ort()
     options = ort.SessionOptions()
@@ -96,6 +99,8 @@ def session(model: str | bytes, provider: str, what: str, initializers: Mapping[
         raise VerifyError(f"{printable(what)}: onnxruntime refused a shared initializer: {one_line(e)}") from e
     if initializers:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if external_folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", external_folder)
     if provider == CUDA:
         # TF32 would hide a 1e-4 difference, so strict fp32 runs with it off
         providers = [(CUDA, {"use_tf32": "0"}), CPU]

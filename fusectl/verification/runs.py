@@ -37,6 +37,9 @@ class OutputChecks:
     default); ``--tol OUTPUT=ATOL[,RTOL]``. ``runs``: how many seeded input sets to run (seed,
     seed+1, ...); ``--runs N``. ``save_inputs``: an ``.npz`` to write the inputs of the first
     failing run to, so that ``--inputs`` reproduces it; ``--save-inputs FILE.npz``.
+    ``localize``: find the first node whose output differs (:mod:`fusectl.verification.localize`):
+    True always, False never, None (the default) when an output check fails; ``--localize`` /
+    ``--no-localize``.
 
     >>> OutputChecks(tolerances={"logits": (1e-4, None)}, runs=8).runs
     8
@@ -45,6 +48,7 @@ class OutputChecks:
     tolerances: Mapping[str, tuple[float, float | None]] = field(default_factory=dict)
     runs: int = 1
     save_inputs: str | None = None
+    localize: bool | None = None
 
     def __post_init__(self) -> None:
         checked = {}
@@ -54,6 +58,9 @@ class OutputChecks:
         object.__setattr__(self, "tolerances", checked)
         if isinstance(self.runs, bool) or not isinstance(self.runs, int) or not 1 <= self.runs <= MAX_RUNS:
             raise VerifyError(f"{knob('--runs', 'runs')} {self.runs!r}: give a whole number from 1 to {MAX_RUNS}")
+        if not (self.localize is None or isinstance(self.localize, bool)):
+            raise VerifyError(f"{knob('--localize', 'localize')} {self.localize!r}: give True, False or None "
+                              "(localize when an output fails)")
 
 
 @dataclass

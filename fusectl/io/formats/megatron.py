@@ -23,9 +23,10 @@ megatron-core 0.16.1 (``fixtures/generate_megatron.py`` states and checks them):
   every TP rank; the first rank's is kept;
 - pipeline stages number their layers from 0: stage p's ``decoder.layers.i`` is global layer
   ``i`` plus the layers of the stages before it (each stage's count from its files, which must
-  add up to ``args.num_layers``);
-- expert-parallel rank e's ``experts.local_experts.i`` is expert ``e * (num_experts / EP) + i``;
-  the dense part is the same on every EP rank (the first one's is kept);
+  add up to ``args.num_layers``; where the index is: the layout's ``[pipeline]``);
+- expert-parallel rank e's ``experts.local_experts.i`` is expert ``e * (num_experts / EP) + i``
+  (the layout's ``[experts]``); the dense part is the same on every EP rank (the first one's is
+  kept);
 - ``_extra_state`` entries (None without Transformer Engine) are left out, named in
   ``ignored``.
 - tied embeddings (``args.untie_embeddings_and_output_weights`` false) at PP > 1: the last
@@ -93,15 +94,16 @@ RANK_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM = "distrib_optim.pt"
 _ITERATION_BYTES = 32
 _COMPARED_BYTES = 1 << 20  # copies up to this size are compared bitwise, larger ones by shape and dtype
-_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
-_EXPERT = re.compile(r"(.*\.experts\.local_experts\.)([0-9]+)(\..*)")
 _GROUPED_EXPERT = re.compile(r".*\.experts\.linear_fc[12]\.(weight|bias)[0-9]+")
 _NEVER = "Megatron-LM never writes one; the file is corrupt"
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 _HOW = "give the folder Megatron-LM's save_checkpoint wrote (or its iter_NNNNNNN folder) as it left it"
 
-# how megatron-core's layers hold each tensor at TP > 1: the layout file, shared with the writer
+# how megatron-core's layers hold each tensor at TP > 1, and where the index of a layer and of an
+# expert is that pipeline stages and expert-parallel ranks number from 0: the layout file, shared
+# with the writer
 LAYOUT = shipped_layout("megatron-core")
+LAYERS, EXPERTS = LAYOUT.layers, LAYOUT.experts
 
 
 def parallel_kind(name: str, swiglu: bool, tp: int) -> str | None:
@@ -289,7 +291,7 @@ class _Global:
 
 def _local_layers(names: Sequence[str], path: str) -> int:
     """How many layers a stage's file holds (its indices must run 0..n-1)."""
-    found = {int(m.group(1)) for m in map(_LAYER.fullmatch, names) if m}
+    found = {i for i in map(LAYERS.index, names) if i is not None}
     if found != set(range(len(found))):
         raise CheckpointError(f"{printable(path)}: holds layers {sorted(found)}; a pipeline stage numbers its "
                               "layers from 0 without gaps — the file is corrupt")
@@ -297,17 +299,18 @@ def _local_layers(names: Sequence[str], path: str) -> int:
 
 
 def _global_name(local: str, offset: int, ep_rank: int, per_rank: int, path: str) -> str:
-    m = _LAYER.fullmatch(local)
-    if m is None:
+    """The whole model's name of a rank's ``local`` entry: its layer moved by the layers of the
+    stages before (``offset``), its expert by the experts of the EP ranks before (the layout's
+    ``[pipeline]`` and ``[experts]``)."""
+    if LAYERS.index(local) is None:
         return local
-    name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-    expert = _EXPERT.fullmatch(name)
-    if expert is not None and per_rank:
-        i = int(expert.group(2))
-        if i >= per_rank:
+    name = LAYERS.renumbered(local, offset)
+    index = EXPERTS.index(name)
+    if index is not None and per_rank:
+        if index >= per_rank:
             raise CheckpointError(f"{printable(path)}: holds {quote(local)}, but each of the expert-parallel ranks "
                                   f"holds {per_rank} experts; the file is corrupt")
-        name = f"{expert.group(1)}{ep_rank * per_rank + i}{expert.group(3)}"
+        name = EXPERTS.renumbered(name, ep_rank * per_rank)
     return name
 
 
@@ -332,8 +335,8 @@ def _model(par: Parallelism, files: dict, trees: dict) -> tuple[dict[str, _Globa
                 local = list(model)
                 if t > 0 and local != list(trees[(0, p, e)]["model"]):
                     raise _disagree(path, files[(0, p, e)], local, list(trees[(0, p, e)]["model"]))
-                if e > 0 and [n for n in local if not _EXPERT.fullmatch(n)] != \
-                        [n for n in reference if not _EXPERT.fullmatch(n)]:
+                if e > 0 and [n for n in local if EXPERTS.index(n) is None] != \
+                        [n for n in reference if EXPERTS.index(n) is None]:
                     raise _disagree(path, first, local, reference)
                 for key in local:
                     if par.ep > 1 and _GROUPED_EXPERT.fullmatch(key):
@@ -358,7 +361,7 @@ def _model(par: Parallelism, files: dict, trees: dict) -> tuple[dict[str, _Globa
                     entry.copies.setdefault(t, []).append((path, key, value))
                     names[((t, p, e), key)] = name
                     if t == 0:
-                        seen.append(name)
+                        seen.append((key, name))
             segments.append(seen)
         order.extend(_merge_experts(segments))
         offset += count
@@ -368,25 +371,23 @@ def _model(par: Parallelism, files: dict, trees: dict) -> tuple[dict[str, _Globa
     return tensors, order, extra, names
 
 
-def _merge_experts(segments: list[list[str]]) -> list[str]:
-    """One stage's names in the TP=1 model's order: EP rank 0's, each run of its experts
-    followed by the other EP ranks' run of the same layer."""
-    out, seen = [], set()
-    for i, name in enumerate(segments[0]):
-        out.append(name)
-        seen.add(name)
-        ends_run = _EXPERT.fullmatch(name) and (i + 1 == len(segments[0]) or
-                                                not _EXPERT.fullmatch(segments[0][i + 1]))
-        if ends_run:
-            prefix = _EXPERT.fullmatch(name).group(1)
-            for other in segments[1:]:
-                for n in other:
-                    if n not in seen and n.startswith(prefix):
-                        out.append(n)
-                        seen.add(n)
-    for other in segments[1:]:  # anything left (never in megatron's layout) keeps its place at the end
-        out.extend(n for n in other if n not in seen and not seen.add(n))
-    return out
+def _merge_experts(segments: list[list[tuple[str, str]]]) -> list[str]:
+    """One stage's names in the TP=1 model's order from each EP rank's (local name, whole
+    model's name) pairs: EP rank 0's, each run of its experts followed by the other EP ranks'
+    runs at the same place (their local names are EP rank 0's)."""
+    reference = [local for local, _ in segments[0]]
+    position = {local: k for k, local in enumerate(reference)}
+    run: list[int] = []  # where the run of experts each of EP rank 0's names is in begins
+    for k, local in enumerate(reference):
+        continues = k > 0 and EXPERTS.index(local) is not None and EXPERTS.index(reference[k - 1]) is not None
+        run.append(run[k - 1] if continues else k)
+    keys: dict[str, tuple[int, int, int]] = {}
+    for e, segment in enumerate(segments):
+        for i, (local, name) in enumerate(segment):
+            k = position.get(local)
+            # anything else (never in megatron's layout) keeps its place at the end
+            keys.setdefault(name, (run[k], e, k) if k is not None else (len(reference), e, i))
+    return sorted(keys, key=keys.__getitem__)
 
 
 def _disagree(path: str, first: str, names: Sequence[str], expected: Sequence[str]) -> CheckpointError:
@@ -523,7 +524,7 @@ def _classes(model: Mapping[str, object], ep: int) -> dict[str, list[str]]:
     for key, value in model.items():
         if not isinstance(value, LazyTensor):
             continue
-        if ep > 1 and ".experts." in key:
+        if ep > 1 and EXPERTS.index(key) is not None:
             out[_EXPERT_GROUP].append(key)
         elif len(value.spec.shape) == 1 or key.endswith(".bias"):
             out[_NO_DECAY].append(key)
@@ -612,7 +613,7 @@ def _optimizer(par: Parallelism, files: dict, trees: dict, tensors: dict[str, _G
                 moments[k] = value
         path, key, tensor = first[0]
         shape = tensor.spec.shape
-        kind = _EXPERT_GROUP if par.ep > 1 and ".experts." in name else \
+        kind = _EXPERT_GROUP if par.ep > 1 and EXPERTS.index(name) is not None else \
             _NO_DECAY if len(shape) == 1 or name.endswith(".bias") else _DECAY
         members[kind].append(name)
         if moments:

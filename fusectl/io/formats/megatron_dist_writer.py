@@ -112,7 +112,7 @@ def dist_items(tensors: Mapping[str, LazyTensor], sizes: GptSizes, where: str) -
     return items
 
 
-def write_megatron_dist(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int,
+def write_megatron_dist(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int, ep: int = 1,
                         config: Mapping[str, object] | None, tied: bool, iteration: int | None = None,
                         where: str = "", metadata: Mapping[str, str] | None = None,
                         config_text: bytes | None = None) -> tuple[int, int, int]:
@@ -125,6 +125,8 @@ def write_megatron_dist(folder: str, tensors: Mapping[str, LazyTensor], *, tp: i
     :param tp: the tensor-parallel size ``args`` records (the tensors are global: megatron-core
         loads them at any).
     :param pp: the pipeline-parallel size ``args`` records.
+    :param ep: the expert-parallel size ``args`` records (an MoE model's experts divide over it;
+        1 for a dense model).
     :param config: head counts and the rest of ``args`` (Megatron's args or a Hugging Face config).
     :param tied: the output layer shares the embedding (no ``output_layer.weight`` is stored).
     :param iteration: the iteration the save is named by (None: ``release``).
@@ -132,7 +134,7 @@ def write_megatron_dist(folder: str, tensors: Mapping[str, LazyTensor], *, tp: i
     :param metadata: fusectl's record (its provenance), kept in ``common.pt``'s archive.
     :param config_text: a config.json written beside ``latest_checkpointed_iteration.txt``.
     :returns: (files of tensors written, bytes of tensors written, of which copied as file ranges).
-    :raises PlanError: sizes that do not divide over ``tp`` and ``pp``, a model that is not
+    :raises PlanError: sizes that do not divide over ``tp``, ``pp`` and ``ep``, a model that is not
         megatron-core's GPT, a layer's tensor that does not stack with the others', before
         anything is written.
 
@@ -145,11 +147,11 @@ def write_megatron_dist(folder: str, tensors: Mapping[str, LazyTensor], *, tp: i
     1
     """
     where = where or printable(folder)
-    sizes = sizes_of(tensors, config, tied, where, moe=True)
-    check_divides(sizes, tp, pp, where)
+    sizes = sizes_of(tensors, config, tied, where)
+    check_divides(sizes, tp, pp, where, ep)
     items = dist_items({n: tensors[n] for n in module_order(list(tensors))}, sizes, where)
     args = megatron_args(sizes, tp, pp, iteration or 0, config, tensors[_EMBEDDING].spec.dtype.safetensors,
-                         ckpt_format=BACKEND)
+                         ep, ckpt_format=BACKEND)
     name = iteration_name(iteration)
     inside = os.path.join(folder, name)
     write_items(inside, items, None, name, where)

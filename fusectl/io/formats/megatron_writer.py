@@ -1,12 +1,14 @@
-"""Megatron-LM legacy checkpoints written at a chosen TP and PP, without torch or Megatron.
+"""Megatron-LM legacy checkpoints written at a chosen TP, PP and EP, without torch or Megatron.
 
 The input is a model in megatron-core's TP=1 PP=1 names: what :mod:`.megatron`'s reader gives
-for any legacy save, or what the preset ``llama-to-megatron-gpt`` makes of a Hugging Face Llama.
+for any legacy save, or what the preset ``llama-to-megatron-gpt`` (``mixtral-to-megatron-moe``)
+makes of a Hugging Face Llama (Mixtral).
 :func:`write_megatron` splits it by the inverse of the reader's rules and writes what Megatron-LM's
 ``save_checkpoint`` (``--ckpt-format torch``) writes:
 
 - ``latest_checkpointed_iteration.txt`` (the iteration number) and
-  ``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` per rank (``_PPP`` only at PP > 1), each a
+  ``iter_NNNNNNN/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per rank (``_PPP`` only at PP > 1,
+  ``_EEE`` only at EP > 1: Megatron-LM's ``get_checkpoint_name``), each a
   ``torch.save`` dict with ``args`` (an ``argparse.Namespace``), ``checkpoint_version`` 3.0,
   ``iteration`` and ``model``: that rank's state dict, an ``OrderedDict`` in megatron-core's
   module order, each linear module's ``_extra_state`` None beside its weight (the local spec's
@@ -16,23 +18,33 @@ for any legacy save, or what the preset ``llama-to-megatron-gpt`` makes of a Hug
   groups must divide by TP); of a SwiGLU ``linear_fc1`` ``[gate_r; up_r]``; of a row-parallel
   weight (``linear_proj``, ``linear_fc2``) columns ``r·n/TP …``; a replicated tensor (norms,
   row-parallel biases) whole;
-- PP stage p holds layers ``p·L/PP …``, numbered from 0; the embedding only on stage 0; the final
-  norm and the output layer only on the last (a tied head is stored there too at PP > 1, as
-  megatron-core keeps its copy of the embedding on the last stage; at PP = 1 it is not stored).
+- PP stage p holds layers ``p·L/PP …``, numbered from 0 (where a name's layer index is, and what
+  only the first or last stage holds: the layout file's ``[pipeline]``, as the reader reads it);
+  the embedding only on stage 0; the final norm and the output layer only on the last (a tied
+  head is stored there too at PP > 1, as megatron-core keeps its copy of the embedding on the
+  last stage; at PP = 1 it is not stored).
 
 Row pieces are file ranges of the input where it has them (nothing read but what is copied);
 column pieces of a row-parallel weight are computed when their rank's file is written, one tensor
 at a time. The sizes the split needs come from the tensors and a config: Megatron's own ``args``
 (``num_attention_heads``, ``num_query_groups``, ``kv_channels``) or a Hugging Face config.json
-(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``). MoE layers (``experts``) are refused:
-their expert-parallel layout is not written yet.
+(``num_attention_heads``, ``num_key_value_heads``, ``head_dim``).
+
+An MoE model (every layer's MLP a ``router`` and experts ``mlp.experts.local_experts.N``, the
+SequentialMLP's names) is written at TP × PP × EP: EP rank e holds experts ``e·E/EP …``
+renumbered from 0 (the layout file's ``[experts]``), each expert's linears split over TP as the
+dense ones are (megatron-core's expert tensor parallelism equal to TP); the
+dense part (attention, norms, router, embedding, head) whole on every EP rank, as megatron-core
+keeps it data-parallel there. Experts that do not divide over EP, an ``ep`` above 1 for a dense
+model, layers without the same experts are PlanErrors before anything is written.
 
 A training checkpoint's optimizer (the legacy, non-distributed one: torch's Adam
 ``state_dict()``) of the whole model — what the Megatron reader gives, or a TP=1 training dict a
 fuse or convert wrote — is written into each rank file as ``optimizer``, as megatron-core's own
 save holds it: the rank's parameters in megatron-core's param groups (the whole optimizer's
-groups in their order: decayed weights, then 1-D ones without weight decay; a group no parameter
-of the rank is in left out), each with its hyperparameters, ids 0..n-1 through the groups in the
+groups in their order: decayed weights, then 1-D ones without weight decay; at EP > 1 each
+group's experts in an ``is_expert_parallel`` group right after it, at EP = 1 in their dense twin;
+a group no parameter of the rank is in left out), each with its hyperparameters, ids 0..n-1 through the groups in the
 rank's state-dict order; each parameter's ``exp_avg``/``exp_avg_sq`` split exactly like the
 parameter (:func:`piece`), its ``step`` as it is; a tied head's last-stage copy (PP > 1) gets
 the embedding's state, as megatron-core trains it with the embedding's gradient. An optimizer
@@ -59,17 +71,15 @@ from ...rules.parallel import Ledger
 from ...tensors import LazyTensor, TensorSpec
 from ..sniff import MEGATRON_LATEST
 from .chunks import assemble, cut
-from .megatron import LAYOUT, RANK_FILE, RECORDS, parallel_kind, rank_folder
+from .megatron import EXPERTS, LAYERS, LAYOUT, RANK_FILE, RECORDS, parallel_kind, rank_folder
 from .torch_writer import write_torch_file
 
 CHECKPOINT_VERSION = 3.0
-_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
-_EXPERT = re.compile(r"decoder\.layers\.0\.mlp\.experts\.local_experts\.([0-9]+)\..*")  # layer 0's experts
-_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.([0-9]+)\.(.*)")  # an expert's tensor in its layer
 _HOW = "a config.json (Hugging Face) with num_attention_heads and num_key_value_heads"
 # megatron-core's module order within a layer (local and Transformer Engine specs)
-_MODULES = ("input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "pre_mlp_layernorm.",
-            "mlp.router.", "mlp.linear_fc1.", "mlp.linear_fc2.")
+_MODULES = (".input_layernorm.", ".self_attention.linear_proj.", ".self_attention.linear_qkv.",
+            ".pre_mlp_layernorm.", ".mlp.router.", ".mlp.linear_fc1.", ".mlp.linear_fc2.", ".mlp.experts.")
+_EXPERT_MODULES = (".linear_fc1.", ".linear_fc2.")
 _TOP_FIRST = ("embedding.word_embeddings.", "embedding.position_embeddings.")
 _TOP_LAST = ("decoder.final_layernorm.", "output_layer.")
 _LINEAR = re.compile(r"(.*(?:linear_proj|linear_qkv|linear_fc1|linear_fc2)|output_layer)\.[a-z_]+")
@@ -91,11 +101,11 @@ class GptSizes:
     swiglu: bool
     tied: bool
     bias: bool
-    experts: int = 0  # SequentialMLP experts per layer (0: a dense MLP)
+    experts: int = 0  # experts per MoE layer (every layer's); 0: a dense model
 
 
 def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | None, tied: bool,
-             where: str, moe: bool = False) -> GptSizes:
+             where: str) -> GptSizes:
     """The sizes of the model ``tensors`` (megatron-core's TP=1 names), its head counts from
     ``config`` (Megatron's args or a Hugging Face config.json).
 
@@ -103,31 +113,23 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
     :param config: the config's values (None: none given).
     :param tied: whether the output layer shares the embedding.
     :param where: the input, as messages name it.
-    :param moe: SequentialMLP experts (``mlp.experts.local_experts.E``) and routers are written
-        (torch_dist stacks them over the experts, whatever the expert parallelism).
-    :raises PlanError: a config without head counts, tensors that disagree with it, an MoE model
-        (without ``moe``), a name megatron-core's GPT does not have.
+    :raises PlanError: a config without head counts, tensors that disagree with it, MoE layers
+        that do not all hold the same experts, a name megatron-core's GPT does not have.
     """
     for name in tensors:
-        if not moe and (".experts." in name or name.endswith(".router.weight")):
-            raise PlanError(f"{where}: {quote(name)} is an MoE expert's; fusectl does not write Megatron's legacy "
-                            f"expert-parallel layout yet — write {option('ckpt_format', 'torch_dist')}, or the model "
-                            "to a folder or a .safetensors file instead")
-        if parallel_kind(name, True, 2) is None:
+        if parallel_kind(name, True, 2) is None or LAYERS.index(name) is None and LAYOUT.stage(name, 2) is None:
             raise PlanError(f"{where}: {quote(name)} is not a tensor of megatron-core's GPT (TP=1 names), so "
-                            "fusectl cannot tell how Megatron splits it; convert a Hugging Face Llama with the "
-                            "llama-to-megatron-gpt preset first")
-    layers = {int(m.group(1)) for m in map(_LAYER.fullmatch, tensors) if m}
+                            "fusectl cannot tell how Megatron splits it or which stage holds it; convert a Hugging "
+                            "Face Llama with the llama-to-megatron-gpt preset (a Mixtral with "
+                            "mixtral-to-megatron-moe) first")
+    layers = {i for i in map(LAYERS.index, tensors) if i is not None}
     if not layers or layers != set(range(len(layers))):
         raise PlanError(f"{where}: holds layers {sorted(layers)[:8]}; a megatron-core GPT has decoder.layers.0 … "
                         "without gaps")
     qkv, proj = _need(tensors, "decoder.layers.0.self_attention.linear_qkv.weight", where), \
         _need(tensors, "decoder.layers.0.self_attention.linear_proj.weight", where)
-    experts = {int(m.group(1)) for m in map(_EXPERT.fullmatch, tensors) if m}
+    experts = _experts(tensors, len(layers), where)
     mlp = "decoder.layers.0.mlp." + ("experts.local_experts.0." if experts else "")
-    if experts and experts != set(range(len(experts))):
-        raise PlanError(f"{where}: layer 0 holds experts {sorted(experts)[:8]}; megatron-core numbers a layer's "
-                        "experts 0 … without gaps")
     fc1, fc2 = _need(tensors, mlp + "linear_fc1.weight", where), _need(tensors, mlp + "linear_fc2.weight", where)
     embedding = _need(tensors, _EMBEDDING, where)
     hidden = embedding.spec.shape[1] if len(embedding.spec.shape) == 2 else 0
@@ -149,7 +151,28 @@ def sizes_of(tensors: Mapping[str, LazyTensor], config: Mapping[str, object] | N
     swiglu = fc1.spec.shape[:1] == (2 * fc2.spec.shape[-1],)
     ffn = fc2.spec.shape[-1]
     return GptSizes(len(layers), hidden, ffn, heads, groups, head_dim, embedding.spec.shape[0], swiglu, tied,
-                    any(n.endswith(".bias") and "layernorm" not in n for n in tensors), len(experts))
+                    any(n.endswith(".bias") and "layernorm" not in n for n in tensors), experts)
+
+
+def _experts(tensors: Mapping[str, LazyTensor], layers: int, where: str) -> int:
+    """How many experts each MoE layer holds (0: none): every layer the same experts 0 … n-1,
+    each with its router, or none.
+
+    :raises PlanError: naming the first layer that differs."""
+    found: list[set[int]] = [set() for _ in range(layers)]
+    for name in tensors:
+        expert, layer = EXPERTS.index(name), LAYERS.index(name)
+        if expert is not None and layer is not None:
+            found[layer].add(expert)
+    count = len(found[0])
+    for layer, indices in enumerate(found):
+        router = f"decoder.layers.{layer}.mlp.router.weight"
+        if indices != set(range(count)) or (count > 0) != (router in tensors):
+            raise PlanError(f"{where}: layer {layer} holds experts {sorted(indices)[:8]}"
+                            f"{' and a router' if router in tensors else ''}, layer 0 experts 0 … {count - 1}; "
+                            "fusectl writes a Megatron MoE whose every layer holds the same experts, with a router "
+                            "(args.num_experts), or a dense model")
+    return count
 
 
 def _need(tensors: Mapping[str, LazyTensor], name: str, where: str) -> LazyTensor:
@@ -169,18 +192,21 @@ def _int(config: Mapping[str, object], key: str, where: str) -> int | None:
     return value
 
 
-def check_divides(sizes: GptSizes, tp: int, pp: int, where: str) -> None:
-    """The model splits over ``tp`` tensor- and ``pp`` pipeline-parallel ranks.
+def check_divides(sizes: GptSizes, tp: int, pp: int, where: str, ep: int = 1) -> None:
+    """The model splits over ``tp`` tensor-, ``pp`` pipeline- and ``ep`` expert-parallel ranks.
 
-    :raises PlanError: naming the size that does not divide."""
-    for name, value in (("tp", tp), ("pp", pp)):
+    :raises PlanError: naming the size that does not divide, an ``ep`` above 1 for a dense model."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep)):
         if type(value) is not int or value < 1:
             raise PlanError(f"{option_name(name)} {value!r}: a positive integer")
+    if ep > 1 and not sizes.experts:
+        raise PlanError(f"{where}: holds no MoE experts (decoder.layers.L.mlp.experts.local_experts.N), so "
+                        f"{option_name('ep')} {ep} has nothing to split; leave {option_name('ep')} out")
     for what, n, over in (("attention heads", sizes.heads, tp), ("query groups", sizes.groups, tp),
                           ("ffn rows", sizes.ffn, tp), ("vocabulary rows", sizes.vocab, tp),
-                          ("layers", sizes.num_layers, pp)):
+                          ("layers", sizes.num_layers, pp), ("experts", sizes.experts, ep)):
         if n % over:
-            flag = option_name("pp" if what == "layers" else "tp")
+            flag = option_name({"layers": "pp", "experts": "ep"}.get(what, "tp"))
             raise PlanError(f"{where}: its {n} {what} do not divide over {flag} {over}; Megatron gives every rank an "
                             f"equal part — choose a {flag} that divides {n}")
 
@@ -211,13 +237,14 @@ def piece(kind: str, tensor: LazyTensor, rank: int, tp: int) -> LazyTensor:
     return assemble(TensorSpec(tensor.spec.dtype, local), pieces)
 
 
-def _module_rank(local: str) -> tuple[int, ...]:
-    """Where a layer's tensor ``local`` stands in megatron-core's order: its module's place; an
-    expert's after the router, expert by expert, each expert's modules in the same order."""
-    expert = _LOCAL_EXPERT.fullmatch(local)
-    if expert is not None:
-        return (_MODULES.index("mlp.router.") + 1, int(expert.group(1)), *_module_rank("mlp." + expert.group(2)))
-    return (next((i for i, m in enumerate(_MODULES) if local.startswith(m)), len(_MODULES)),)
+def _module_rank(name: str) -> tuple[int, int, int]:
+    """Where a layer's entry ``name`` sits in megatron-core's module order: its module, then an
+    expert's index and its linear."""
+    rank = next((i for i, m in enumerate(_MODULES) if m in name), len(_MODULES))
+    expert = EXPERTS.index(name)
+    if expert is None:
+        return rank, 0, 0
+    return rank, expert, next((i for i, m in enumerate(_EXPERT_MODULES) if m in name), len(_EXPERT_MODULES))
 
 
 def module_order(names: Sequence[str]) -> list[str]:
@@ -229,22 +256,61 @@ def module_order(names: Sequence[str]) -> list[str]:
     """
     def key(item: tuple[int, str]) -> tuple:
         i, name = item
-        m = _LAYER.fullmatch(name)
-        if m is not None:
-            return (1, int(m.group(1)), _module_rank(m.group(2)), i)
+        layer = LAYERS.index(name)
+        if layer is not None:
+            return (1, layer, *_module_rank(name), i)
         first = next((j for j, p in enumerate(_TOP_FIRST) if name.startswith(p)), None)
         if first is not None:
-            return (0, first, (), i)
+            return (0, first, 0, 0, 0, i)
         last = next((j for j, p in enumerate(_TOP_LAST) if name.startswith(p)), len(_TOP_LAST))
-        return (2, last, (), i)
+        return (2, last, 0, 0, 0, i)
     return [n for _, n in sorted(enumerate(names), key=key)]
 
 
-def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int
-                ) -> dict[tuple[int, int], collections.OrderedDict]:
-    """(tp rank, pp stage) → that rank's ``model`` state dict (tensors, and None for each linear
-    module's ``_extra_state``), in megatron-core's order."""
-    per_stage = sizes.num_layers // pp
+@dataclass(frozen=True)
+class Rank:
+    """One rank of the written save: its TP rank, PP stage and EP rank of ``tp`` × ``pp`` × ``ep``."""
+
+    t: int
+    p: int
+    e: int
+    tp: int
+    pp: int
+    ep: int
+
+    @property
+    def folder(self) -> str:
+        """Megatron-LM's name of its folder (``mp_rank_TT[_PPP][_EEE]``)."""
+        return rank_folder(self.t, self.p, self.e, self.pp, self.ep)
+
+    def at(self, t: int | None = None, p: int | None = None, e: int | None = None) -> "Rank":
+        """The rank of the same save at another TP rank, stage or EP rank."""
+        return Rank(self.t if t is None else t, self.p if p is None else p, self.e if e is None else e,
+                    self.tp, self.pp, self.ep)
+
+
+def local_name(name: str, rank: Rank, sizes: GptSizes) -> str | None:
+    """The name ``rank`` holds the whole model's tensor ``name`` by, or None where it holds none of
+    it: a layer numbered from 0 in its stage, an expert from 0 on its EP rank; a name outside the
+    layers on the stage the layout's ``[pipeline]`` says (the embedding on the first, the final
+    norm and the head on the last).
+
+    >>> sizes = GptSizes(2, 16, 32, 4, 2, 4, 64, True, False, False, 4)
+    >>> local_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", Rank(0, 1, 1, 1, 2, 2), sizes)
+    'decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight'
+    """
+    if LAYERS.index(name) is None:
+        return name if LAYOUT.stage(name, rank.pp) == rank.p else None
+    local = LAYERS.on_rank(name, rank.p, sizes.num_layers // rank.pp)
+    if local is None or EXPERTS.index(local) is None:
+        return local
+    return EXPERTS.on_rank(local, rank.e, sizes.experts // rank.ep)
+
+
+def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp: int, ep: int = 1
+                ) -> dict[Rank, collections.OrderedDict]:
+    """Each rank → its ``model`` state dict (tensors, and None for each linear module's
+    ``_extra_state``), in megatron-core's order; ranks stage by stage, EP rank by EP rank."""
     names = module_order(list(tensors))
     if sizes.tied and _OUTPUT not in tensors:
         # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
@@ -256,63 +322,68 @@ def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp:
         ledger.source(name, tensor.spec.shape, None if split.replicated or tp == 1 else split.axis)
     out = {}
     for p in range(pp):
-        for t in range(tp):
-            model: collections.OrderedDict = collections.OrderedDict()
-            extra = None
-            for name in names:
-                m = _LAYER.fullmatch(name)
-                if m is not None:
-                    layer = int(m.group(1))
-                    if not p * per_stage <= layer < (p + 1) * per_stage:
-                        continue
-                    local = f"decoder.layers.{layer - p * per_stage}.{m.group(2)}"
-                elif name.startswith("embedding.") and p > 0 or not name.startswith("embedding.") and p < pp - 1:
-                    continue
-                else:
-                    local = name
-                module = _LINEAR.fullmatch(local)
-                module = module.group(1) if module else None
-                if extra is not None and module != extra:
-                    model[f"{extra}._extra_state"] = None
-                extra = module
-                if sizes.tied and name == _OUTPUT and pp == 1:
-                    if name in tensors and t == 0:  # the input's head is the embedding (tied)
-                        ledger.copy(name, _EMBEDDING)
-                    continue  # the head reads the embedding; its module keeps only its extra state
-                source = name if name in tensors else _EMBEDDING
-                kind = parallel_kind(source, sizes.swiglu, tp)
-                model[local] = piece(kind, tensors[source], t, tp)
-                _record(ledger, source, kind, tensors[source].spec.shape, (t, p, tp, pp), local, name != source)
-            if extra is not None:
-                model[f"{extra}._extra_state"] = None
-            out[(t, p)] = model
+        for e in range(ep):
+            for t in range(tp):
+                rank = Rank(t, p, e, tp, pp, ep)
+                out[rank] = _rank_model(tensors, names, sizes, rank, ledger)
     ledger.check(PlanError)
     return out
 
 
-def _record(ledger: Ledger, name: str, kind: str, shape: tuple[int, ...], rank: tuple[int, int, int, int],
-            local: str, tied_copy: bool) -> None:
-    """Record in ``ledger`` that rank ``rank`` (tp rank, pp stage, tp, pp) holds ``name``'s piece
-    as ``local``: its slices of the whole; a replicated tensor's whole once (on its first rank;
-    a copy on every other), a tied head a copy of its stage 0 embedding piece."""
-    t, p, tp, pp = rank
-    split = LAYOUT.kind(kind)
-    key = f"{rank_folder(t, p, 0, pp, 1)}: {local}"
+def _rank_model(tensors: Mapping[str, LazyTensor], names: Sequence[str], sizes: GptSizes, rank: Rank,
+                ledger: Ledger) -> collections.OrderedDict:
+    """``rank``'s model (:func:`rank_models`), its pieces recorded in ``ledger``."""
+    model: collections.OrderedDict = collections.OrderedDict()
+    extra = None
+    for name in names:
+        local = local_name(name, rank, sizes)
+        if local is None:
+            continue
+        module = _LINEAR.fullmatch(local)
+        module = module.group(1) if module else None
+        if extra is not None and module != extra:
+            model[f"{extra}._extra_state"] = None
+        extra = module
+        if sizes.tied and name == _OUTPUT and rank.pp == 1:
+            if name in tensors and rank.t == 0 and rank.e == 0:  # the input's head is the embedding (tied)
+                ledger.copy(name, _EMBEDDING)
+            continue  # the head reads the embedding; its module keeps only its extra state
+        source = name if name in tensors else _EMBEDDING
+        kind = parallel_kind(source, sizes.swiglu, rank.tp)
+        model[local] = piece(kind, tensors[source], rank.t, rank.tp)
+        _record(ledger, source, kind, tensors[source].spec.shape, rank, local, name != source)
+    if extra is not None:
+        model[f"{extra}._extra_state"] = None
+    return model
+
+
+def _record(ledger: Ledger, name: str, kind: str, shape: tuple[int, ...], rank: Rank, local: str,
+            tied_copy: bool) -> None:
+    """Record in ``ledger`` that ``rank`` holds ``name``'s piece as ``local``: its slices of the
+    whole; a replicated tensor's whole once (on its first TP rank; a copy on every other), the
+    dense part once (on EP rank 0; a copy on every other), a tied head a copy of its stage 0
+    embedding piece."""
+    split, expert = LAYOUT.kind(kind), EXPERTS.index(local) is not None
+    key = f"{rank.folder}: {local}"
     if tied_copy:
         ledger.output(key, shape, None)
-        ledger.copy(key, f"{rank_folder(t, 0, 0, pp, 1)}: {name}")
+        ledger.copy(key, f"{rank.at(p=0, e=0).folder}: {name}")
         return
-    if split.replicated or tp == 1:
+    if not expert and rank.e > 0:  # the dense part: EP rank 0's, again
         ledger.output(key, shape, None)
-        first = f"{rank_folder(0, p, 0, pp, 1)}: {local}"
+        ledger.copy(key, f"{rank.at(t=0 if split.replicated else None, e=0).folder}: {local}")
+        return
+    if split.replicated or rank.tp == 1:
+        ledger.output(key, shape, None)
+        first = f"{rank.at(t=0).folder}: {local}"
         if key == first:
             ledger.take(name, 0, key, 0, 1)
         else:
             ledger.copy(key, first)
         return
     axis = split.axis
-    ledger.output(key, tuple(n // tp if i == axis else n for i, n in enumerate(shape)), axis)
-    for start, at, count in split.runs(shape[axis], tp)[t]:
+    ledger.output(key, tuple(n // rank.tp if i == axis else n for i, n in enumerate(shape)), axis)
+    for start, at, count in split.runs(shape[axis], rank.tp)[rank.t]:
         ledger.take(name, at, key, start, count)
 
 
@@ -448,44 +519,82 @@ def _recorded_names(record: Mapping[str, str] | None) -> list[str] | None:
     return names if isinstance(names, list) and all(type(n) is str for n in names) else None
 
 
-def whole_name(local: str, stage: int, per_stage: int, tied: bool) -> str:
-    """The whole model's name of the tensor a stage's ``local`` entry holds: its layer number
-    plus the layers of the stages before; a tied head (the last stage's copy at PP > 1) the
-    embedding.
+def whole_name(local: str, rank: Rank, sizes: GptSizes) -> str:
+    """The whole model's name of the tensor ``rank``'s ``local`` entry holds (:func:`local_name`
+    undone by the same layout tables): its layer number plus the layers of the stages before, an
+    expert's index plus the experts of the EP ranks before; a tied head (the last stage's copy
+    at PP > 1) the embedding.
 
-    >>> whole_name("decoder.layers.0.mlp.linear_fc1.weight", 1, 2, False)
-    'decoder.layers.2.mlp.linear_fc1.weight'
+    >>> sizes = GptSizes(4, 16, 32, 4, 2, 4, 64, True, False, False, 4)
+    >>> whole_name("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", Rank(0, 1, 1, 1, 2, 2), sizes)
+    'decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight'
     """
-    m = _LAYER.fullmatch(local)
-    if m is not None:
-        return f"decoder.layers.{int(m.group(1)) + stage * per_stage}.{m.group(2)}"
-    return _EMBEDDING if tied and local == _OUTPUT else local
+    if LAYERS.index(local) is None:
+        return _EMBEDDING if sizes.tied and local == _OUTPUT else local
+    name = LAYERS.renumbered(local, rank.p * (sizes.num_layers // rank.pp))
+    if EXPERTS.index(name) is None:
+        return name
+    return EXPERTS.renumbered(name, rank.e * (sizes.experts // rank.ep))
 
 
-def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None], stage: int, sizes: GptSizes,
-                   rank: int, tp: int, pp: int) -> dict:
-    """TP rank ``rank``'s optimizer ``state_dict()`` for the stage ``stage`` whose rank holds
-    ``model`` (:func:`rank_models`): megatron-core's param groups of its parameters — the whole
-    optimizer's groups in their order, empty ones left out, each with its hyperparameters —,
-    ids 0..n-1 through them in the model's order, each parameter's state split like the
-    parameter (:func:`piece`), its numbers (``step``) as they are."""
-    members: list[list[str]] = [[] for _ in whole.hyper]
+_EXPERT_PARALLEL = "is_expert_parallel"
+
+
+def _rank_groups(whole: WholeOptimizer, ep: int) -> tuple[list[dict], dict[tuple[int, bool], int]]:
+    """megatron-core's param groups at ``ep`` of the whole optimizer's (``_get_param_groups``: one
+    group per set of hyperparameters and ``is_expert_parallel``, experts' weights expert-parallel
+    only at EP > 1): (their hyperparameters in order, (whole group, an expert's) → its index).
+
+    A whole group of expert-parallel parameters (read at EP > 1) joins, at EP = 1, the group
+    whose hyperparameters are its own but for that flag; a group's experts at EP > 1 form a group
+    of their own right after it, flagged."""
+    hyper = whole.hyper
+    plain = [{k: v for k, v in h.items() if k != _EXPERT_PARALLEL} for h in hyper]
+    targets: list[dict] = []
+    index: dict[tuple[int, bool], int] = {}
+    for g, h in enumerate(hyper):
+        base = g
+        if h.get(_EXPERT_PARALLEL) is True:  # its dense twin, where the whole optimizer has one
+            base = next((b for b in range(len(hyper)) if plain[b] == plain[g] and
+                         hyper[b].get(_EXPERT_PARALLEL) is not True), g)
+        for expert in (False, True):
+            flagged = expert and ep > 1
+            if _EXPERT_PARALLEL in hyper[base] or flagged:
+                target = {_EXPERT_PARALLEL: flagged, **plain[base]} if _EXPERT_PARALLEL not in hyper[base] else \
+                    {k: (flagged if k == _EXPERT_PARALLEL else v) for k, v in hyper[base].items()}
+            else:
+                target = dict(hyper[base])
+            if target not in targets:
+                targets.append(target)
+            index[(g, expert)] = targets.index(target)
+    return targets, index
+
+
+def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None], rank: Rank,
+                   sizes: GptSizes) -> dict:
+    """``rank``'s optimizer ``state_dict()``, the rank holding ``model`` (:func:`rank_models`):
+    megatron-core's param groups of its parameters (:func:`_rank_groups`: the whole optimizer's
+    in their order, experts' re-grouped for the EP written, empty ones left out, each with its
+    hyperparameters), ids 0..n-1 through them in the model's order, each parameter's state split
+    like the parameter (:func:`piece`), its numbers (``step``) as they are."""
+    hyper, index = _rank_groups(whole, rank.ep)
+    members: list[list[str]] = [[] for _ in hyper]
     for local, value in model.items():
         if value is not None:
-            name = whole_name(local, stage, sizes.num_layers // pp, sizes.tied)
-            members[whole.group_of[name]].append(name)
+            name = whole_name(local, rank, sizes)
+            members[index[(whole.group_of[name], EXPERTS.index(name) is not None)]].append(name)
     state, groups, pid = {}, [], 0
-    for hyper, names in zip(whole.hyper, members):
+    for h, names in zip(hyper, members):
         if not names:
             continue
         ids = list(range(pid, pid + len(names)))
         for i, name in zip(ids, names):
             entry = whole.state_of[name]
             if entry:
-                kind = parallel_kind(name, sizes.swiglu, tp)
-                state[i] = {k: piece(kind, v, rank, tp) if isinstance(v, LazyTensor) and v.spec.shape else v
+                kind = parallel_kind(name, sizes.swiglu, rank.tp)
+                state[i] = {k: piece(kind, v, rank.t, rank.tp) if isinstance(v, LazyTensor) and v.spec.shape else v
                             for k, v in entry.items()}
-        groups.append({**hyper, "params": ids})
+        groups.append({**h, "params": ids})
         pid += len(names)
     return {"state": state, "param_groups": groups}
 
@@ -494,20 +603,26 @@ def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None]
 
 
 def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Mapping[str, object] | None,
-                  dtype: str, ckpt_format: str = "torch") -> object:
+                  dtype: str, ep: int = 1, ckpt_format: str = "torch") -> object:
     """The ``argparse.Namespace`` record Megatron-LM pickles into each rank file (``common.pt``
-    for ``ckpt_format`` torch_dist): the given config's plain values where it is Megatron's own
-    ``args``, then the sizes, experts and parallelism."""
+    for ``ckpt_format`` torch_dist): the given
+    config's plain values where it is Megatron's own ``args``, then the sizes and parallelism
+    (an MoE's ``num_experts``, ``moe_ffn_hidden_size``, ``expert_model_parallel_size``; its
+    ``moe_router_topk`` from Megatron's args or a Hugging Face config's ``num_experts_per_tok``;
+    the smallest world that holds the ranks: ``tp·pp·ep``, the dense part data-parallel over EP)."""
     base: dict[str, object] = {}
     if config and ("num_query_groups" in config or "tensor_model_parallel_size" in config):
         base = {k: v for k, v in config.items() if v is None or type(v) in (int, float, bool, str)}
     else:
         cfg = dict(config or {})
+        topk = cfg.get("num_experts_per_tok")
+        if sizes.experts and type(topk) is int:
+            base["moe_router_topk"] = topk
         rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000))
         eps = cfg.get("rms_norm_eps", 1e-5)
         positions = cfg.get("max_position_embeddings")
-        base = {"max_position_embeddings": positions if type(positions) is int else None,
+        base |= {"max_position_embeddings": positions if type(positions) is int else None,
                 "seq_length": positions if type(positions) is int else None,
                 "position_embedding_type": "rope", "rotary_base": theta if type(theta) in (int, float) else 10000,
                 "rotary_percent": 1.0, "normalization": "RMSNorm", "norm_epsilon": eps if type(eps) is float else 1e-5}
@@ -517,12 +632,15 @@ def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Map
         num_query_groups=sizes.groups, kv_channels=sizes.head_dim, swiglu=sizes.swiglu,
         add_bias_linear=sizes.bias, untie_embeddings_and_output_weights=not sizes.tied,
         padded_vocab_size=sizes.vocab, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=1, num_experts=sizes.experts or None, fp16=dtype == "F16", bf16=dtype == "BF16",
-        ckpt_format=ckpt_format, use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp,
-        data_parallel_size=1)
+        expert_model_parallel_size=ep, num_experts=sizes.experts or None, fp16=dtype == "F16", bf16=dtype == "BF16",
+        ckpt_format=ckpt_format, use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp * ep,
+        data_parallel_size=ep)
     if sizes.experts:
-        topk = (config or {}).get("moe_router_topk", (config or {}).get("num_experts_per_tok"))
-        base.update(moe_router_topk=topk if type(topk) is int else None, moe_grouped_gemm=False)
+        base.update(moe_ffn_hidden_size=sizes.ffn, moe_grouped_gemm=False)
+        base.setdefault("moe_router_topk", 2)
+    else:
+        for key in ("moe_ffn_hidden_size", "moe_router_topk", "moe_grouped_gemm"):
+            base.pop(key, None)
     base.setdefault("make_vocab_size_divisible_by", 1)
     base.setdefault("transformer_impl", "local")
     record = RECORDS.classes["argparse.Namespace"]()
@@ -530,18 +648,19 @@ def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Map
     return record
 
 
-def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int,
+def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, pp: int, ep: int = 1,
                    config: Mapping[str, object] | None, tied: bool, iteration: int | None = None,
                    where: str = "", optimizer: WholeOptimizer | None = None, scheduler: object = None,
                    metadata: Mapping[str, str] | None = None, config_text: bytes | None = None
                    ) -> tuple[int, int, int]:
     """Write ``tensors`` (megatron-core's TP=1 names) as a Megatron-LM legacy save folder
-    ``folder`` (made if missing) at ``tp`` × ``pp`` (module docstring).
+    ``folder`` (made if missing) at ``tp`` × ``pp`` × ``ep`` (module docstring).
 
     :param folder: the save folder (a temporary one the caller renames into place).
     :param tensors: name → tensor of the whole model, in any order.
     :param tp: tensor-parallel size.
     :param pp: pipeline-parallel size.
+    :param ep: expert-parallel size (an MoE model's experts divide over it; 1 for a dense model).
     :param config: head counts and the rest of ``args`` (Megatron's args or a Hugging Face config).
     :param tied: the output layer shares the embedding (``output_layer.weight`` not stored at PP=1).
     :param iteration: the iteration the save is named by (None: ``release``, as Megatron names a
@@ -555,21 +674,21 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     :param config_text: a config.json written beside ``latest_checkpointed_iteration.txt``,
         where Megatron-LM does not look.
     :returns: (rank files written, bytes of tensors written in them, of which copied as file ranges).
-    :raises PlanError: sizes that do not divide, a model that is not megatron-core's GPT, before
-        anything is written.
+    :raises PlanError: sizes that do not divide (experts over ``ep`` too), ``ep`` above 1 for a
+        dense model, a model that is not megatron-core's GPT, before anything is written.
     """
     where = where or printable(folder)
     sizes = sizes_of(tensors, config, tied, where)
-    check_divides(sizes, tp, pp, where)
+    check_divides(sizes, tp, pp, where, ep)
     dtype = tensors[_EMBEDDING].spec.dtype.safetensors
-    models = rank_models(tensors, sizes, tp, pp)
-    args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype)
+    models = rank_models(tensors, sizes, tp, pp, ep)
+    args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype, ep)
     iteration_folder = os.path.join(folder, iteration_name(iteration))
     written = copied = 0
-    for (t, p), model in models.items():
+    for rank, model in models.items():
         tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
         if optimizer is not None:
-            tree["optimizer"] = rank_optimizer(optimizer, model, p, sizes, t, tp, pp)
+            tree["optimizer"] = rank_optimizer(optimizer, model, rank, sizes)
             if scheduler is not None:
                 tree["opt_param_scheduler"] = scheduler
         held = [v for v in model.values() if v is not None] + \
@@ -577,9 +696,9 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
              if isinstance(v, LazyTensor)]
         written += sum(v.spec.nbytes for v in held)
         copied += sum(v.spec.nbytes for v in held if v.byte_ranges() is not None)
-        rank = os.path.join(iteration_folder, rank_folder(t, p, 0, pp, 1))
-        os.makedirs(rank, exist_ok=True)
-        write_torch_file(os.path.join(rank, RANK_FILE), tree, metadata=metadata)
+        path = os.path.join(iteration_folder, rank.folder)
+        os.makedirs(path, exist_ok=True)
+        write_torch_file(os.path.join(path, RANK_FILE), tree, metadata=metadata)
     write_tracker(folder, iteration, config_text)
     return len(models), written, copied
 
