@@ -221,22 +221,38 @@ def _check_drop(checkpoint: Checkpoint, drop_optimizer: bool) -> None:
                         f"{option_name('drop_optimizer')} has nothing to drop; leave it out")
 
 
+CKPT_FORMATS = ("torch", "torch_dist")  # Megatron-LM's --ckpt-format: legacy rank files, dist_checkpointing
+
+
 def _check_megatron(checkpoint: Checkpoint, out, to: str | None, parallel: tuple[int | None, ...],
-                    drop_optimizer: bool, max_shard_size: int | None) -> None:
-    """``tp``/``pp``/``ep`` (``parallel``) go with ``to="megatron"`` only, which writes a folder of rank
-    files: PlanError for a file output, a Hugging Face Trainer folder's optimizer (not
-    megatron-core's param groups) not dropped on purpose, a shard size; CheckpointError for an
-    optimizer the reader could not map, not dropped on purpose."""
-    given = [name for name, value in zip(("tp", "pp", "ep"), parallel) if value is not None]
+                    drop_optimizer: bool, max_shard_size: int | None, ckpt_format: str | None = None) -> None:
+    """``tp``/``pp``/``ep`` (``parallel``) and ``ckpt_format`` go with ``to="megatron"`` only, which
+    writes a folder: PlanError for a file output, a ``ckpt_format`` Megatron-LM does not have, a
+    Hugging Face Trainer folder's optimizer (not megatron-core's param groups) or any optimizer
+    with ``ckpt_format="torch_dist"`` (whose sharded optimizer state fusectl does not write) not
+    dropped on purpose, a shard size; CheckpointError for an optimizer the reader could not map,
+    not dropped on purpose."""
+    given = [name for name, value in zip(("tp", "pp", "ep", "ckpt_format"), (*parallel, ckpt_format))
+             if value is not None]
     if to != "megatron":
         if given:
-            raise PlanError(f"{option_name(given[0])} sets the parallelism of a Megatron-LM checkpoint written with "
+            what = "the format" if given[0] == "ckpt_format" else "the parallelism"
+            raise PlanError(f"{option_name(given[0])} sets {what} of a Megatron-LM checkpoint written with "
                             f"{option_name('to')} megatron; add that, or leave {option_name(given[0])} out")
         return
     flag = f"{option_name('to')} megatron"
+    if ckpt_format not in (None, *CKPT_FORMATS):
+        raise PlanError(f"{option_name('ckpt_format')} {quote(str(ckpt_format))}: Megatron-LM saves "
+                        f"{' or '.join(CKPT_FORMATS)}")
     if output_kind(os.fspath(out)) != "folder":
         raise PlanError(f"{os.fspath(out)}: {flag} writes a folder; give {option_name('out')} a folder (a path "
                         "without a file suffix)")
+    if ckpt_format == "torch_dist" and _has_optimizer(checkpoint) and not drop_optimizer:
+        raise PlanError(f"{printable(str(checkpoint.path))} holds optimizer state, which {flag} "
+                        f"{option_name('ckpt_format')} torch_dist does not write (megatron-core keeps it as sharded "
+                        f"tensors of its own); pass {option('drop_optimizer')} to write the model without it, or "
+                        f"leave {option_name('ckpt_format')} out to write Megatron-LM's legacy rank files with each "
+                        "rank's Adam state")
     if isinstance(checkpoint.training, TrainerOptimizer) and _has_optimizer(checkpoint) and not drop_optimizer:
         raise PlanError(f"{printable(str(checkpoint.path))} is a Hugging Face Trainer folder, whose optimizer.pt "
                         f"{flag} cannot split over megatron-core's param groups; pass {option('drop_optimizer')} "
@@ -256,9 +272,11 @@ def _megatron_facts(checkpoint: Checkpoint, table: ParamTable) -> tuple[dict | N
     the iteration to name the save by, None for a release; whether the head is tied)."""
     config = checkpoint.config
     iteration = None
-    if checkpoint.format == "megatron-legacy":
-        from .io.formats.megatron import saved_args
-        config = config if config is not None else saved_args(str(checkpoint.path))
+    if checkpoint.format in ("megatron-legacy", "megatron-torch_dist"):
+        if config is None:
+            from .io.formats import megatron, megatron_dist
+            reader = megatron if checkpoint.format == "megatron-legacy" else megatron_dist
+            config = reader.saved_args(str(checkpoint.path))
         iteration = (checkpoint.distributed or {}).get("iteration") or None  # 0: a release, never loaded as 0
     # a tied save at PP > 1 stores the head's copy on the last stage: its args say it is tied
     tied = _HEAD not in table or (_EMBEDDING in table and table[_HEAD] is table[_EMBEDDING]) or \
@@ -275,23 +293,28 @@ def _config_text(checkpoint: Checkpoint) -> bytes | None:
 
 
 def _write_megatron(checkpoint: Checkpoint, table: ParamTable, out: str, parallel: tuple[int | None, ...],
-                    force: bool, on_note: Callable[[str], None] | None, recorded: Plan) -> FuseReport:
-    """Write ``table`` (megatron-core's TP=1 names) alone as a Megatron-LM legacy save folder ``out``
-    at ``parallel`` (tp, pp, ep; 1 where not given): ``io.formats.megatron_writer``, ``recorded`` its
-    provenance, the input's config.json beside it. The head counts come from the checkpoint's
-    config, else (a Megatron input) its own ``args``. A training checkpoint whose optimizer is
-    kept goes through ``_write`` instead (:func:`_megatron_target`)."""
+                    force: bool, on_note: Callable[[str], None] | None, recorded: Plan,
+                    ckpt_format: str | None = None) -> FuseReport:
+    """Write ``table`` (megatron-core's TP=1 names) alone as a Megatron-LM save folder ``out``
+    at ``parallel`` (tp, pp, ep; 1 where not given): legacy rank files (``io.formats.megatron_writer``)
+    or, with ``ckpt_format="torch_dist"``, dist_checkpointing's global tensors
+    (``io.formats.megatron_dist_writer``); ``recorded`` its provenance, the input's config.json
+    beside it. The head counts come from the checkpoint's config, else (a Megatron input) its
+    own ``args``. A training checkpoint whose optimizer is kept goes through ``_write`` instead
+    (:func:`_megatron_target`)."""
     from .io.atomic import atomic_output
+    from .io.formats.megatron_dist_writer import write_megatron_dist
     from .io.formats.megatron_writer import write_megatron
     from .write import output_metadata
     tp, pp, ep = (value if value is not None else 1 for value in parallel)
     config, iteration, tied = _megatron_facts(checkpoint, table)
     tensors = {n: table[n] for n in table.entries if not (tied and n == _HEAD)}
     _, provenance = output_metadata(table, recorded, checkpoint.metadata)
+    writer = write_megatron_dist if ckpt_format == "torch_dist" else write_megatron
     with atomic_output(out, force=force, inputs=checkpoint.input_paths(), on_note=on_note) as temp:
-        _, written, copied = write_megatron(temp, tensors, tp=tp, pp=pp, ep=ep, config=config, tied=tied,
-                                            iteration=iteration, where=printable(str(checkpoint.path)),
-                                            metadata=provenance, config_text=_config_text(checkpoint))
+        _, written, copied = writer(temp, tensors, tp=tp, pp=pp, ep=ep, config=config, tied=tied,
+                                    iteration=iteration, where=printable(str(checkpoint.path)),
+                                    metadata=provenance, config_text=_config_text(checkpoint))
     unique = sum(t.spec.nbytes for t in {id(t): t for t in tensors.values()}.values())
     fate = None
     if _has_optimizer(checkpoint):
@@ -634,7 +657,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
          param_order: str | None = None, param_order_out: str | None = None,
          param_order_from_model: bool = False, drop_optimizer: bool = False,
          untie_training: bool = False, to: str | None = None, tp: int | None = None,
-         pp: int | None = None, ep: int | None = None) -> FuseReport:
+         pp: int | None = None, ep: int | None = None, ckpt_format: str | None = None) -> FuseReport:
     """Apply ``rules`` to a checkpoint and write ``out`` atomically, with the plan recorded as
     provenance (appended to the input's own).
 
@@ -691,6 +714,10 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :param ep: with ``to="megatron"``: the expert-parallel size of an MoE model (default 1); its
         experts must divide over it.
+    :param ckpt_format: with ``to="megatron"``: Megatron-LM's ``--ckpt-format``: ``"torch"``
+        (default: legacy rank files) or ``"torch_dist"``: dist_checkpointing's global tensors
+        (``io.formats.megatron_dist_writer``), which megatron-core loads at any TP and PP; the
+        model only (PlanError for a training input whose optimizer is not dropped).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``fuse --json``).
     :raises PlanError: as :func:`plan` does (a fold of a training dict written whole: its
         optimizer state cannot follow, without ``drop_optimizer``); a parameter ``param_order_out``
@@ -706,7 +733,7 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order, param_order_from_model)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size, ckpt_format)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     if param_order_out is not None and not whole:
         raise PlanError(f"{option_name('param_order_out')} orders the optimizer of a training checkpoint written "
@@ -720,8 +747,8 @@ def fuse(ckpt, rules: Sequence[str], out, *, max_shard_size: int | None = None, 
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     result = run_plan(planned.start, planned.plan, str(checkpoint.path), untie)
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, result, out, (tp, pp, ep), force, on_note, history + planned.plan),
-                      started)
+        return _timed(_write_megatron(checkpoint, result, out, (tp, pp, ep), force, on_note, history + planned.plan,
+                                      ckpt_format), started)
     twins = _moved_twins(checkpoint, planned.start, planned.plan, out, to)
     return _timed(_write(checkpoint, result, history, planned.plan, out, max_shard_size=max_shard_size,
                          force=force, progress=progress, on_note=on_note, lora_base=planned.lora_base,
@@ -754,7 +781,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
            follow_symlinks: bool = False, key: str | None = None, progress: bool | None = False,
            on_note: Callable[[str], None] | None = None, drop_optimizer: bool = False,
            untie_training: bool = False, param_order: str | None = None, to: str | None = None,
-           tp: int | None = None, pp: int | None = None, ep: int | None = None) -> FuseReport:
+           tp: int | None = None, pp: int | None = None, ep: int | None = None,
+           ckpt_format: str | None = None) -> FuseReport:
     """Undo a fuse: invert the checkpoint's recorded provenance, or ``rules`` in reverse order.
 
     With ``rules``, only tensors the rules provably made are changed (``fusectl.rules.inverse``):
@@ -794,6 +822,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     :param tp: as :func:`fuse`'s.
     :param pp: as :func:`fuse`'s.
     :param ep: as :func:`fuse`'s.
+    :param ckpt_format: as :func:`fuse`'s.
     :returns: a :class:`FuseReport` (``.to_json()`` is ``unfuse --json``).
     :raises PlanError: no provenance to undo and no ``rules``, or rules that did not make the
         tensors; OutputError as :func:`fuse`.
@@ -810,7 +839,7 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size, ckpt_format)
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size)
     untie = untie or untie_training
     copied = False
@@ -856,7 +885,8 @@ def unfuse(ckpt, out, rules: Sequence[str] = (), *, max_shard_size: int | None =
         history, new = Plan(), Plan(tuple(g for g in inverse.groups if g.config is not None))
         lora_base, moved = None, inverse
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, table, out, (tp, pp, ep), force, on_note, history + new), started)
+        return _timed(_write_megatron(checkpoint, table, out, (tp, pp, ep), force, on_note, history + new, ckpt_format),
+                      started)
     return _timed(_write(checkpoint, table, history, new, out, max_shard_size=max_shard_size, force=force,
                          progress=progress, on_note=on_note, lora_base=lora_base, whole_training=whole,
                          moved=moved, dropped=drop_optimizer, untied=untied, twins=twins, state_copied=copied,
@@ -880,7 +910,7 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
             key: str | None = None, progress: bool | None = False,
             on_note: Callable[[str], None] | None = None, param_order: str | None = None,
             drop_optimizer: bool = False, to: str | None = None, tp: int | None = None,
-            pp: int | None = None, ep: int | None = None) -> FuseReport:
+            pp: int | None = None, ep: int | None = None, ckpt_format: str | None = None) -> FuseReport:
     """Write a checkpoint in another format with no rules: the same tensors, ties written once
     with their aliases recorded, and the input's provenance (if any) carried over.
 
@@ -913,6 +943,10 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     :param pp: with ``to="megatron"``: the pipeline-parallel size (default 1).
     :param ep: with ``to="megatron"``: the expert-parallel size of an MoE model (default 1); its
         experts must divide over it.
+    :param ckpt_format: with ``to="megatron"``: Megatron-LM's ``--ckpt-format``: ``"torch"``
+        (default: legacy rank files) or ``"torch_dist"``: dist_checkpointing's global tensors
+        (``io.formats.megatron_dist_writer``), which megatron-core loads at any TP and PP; the
+        model only (PlanError for a training input whose optimizer is not dropped).
     :returns: a :class:`FuseReport` (``.to_json()`` is ``convert --json``).
     :raises CheckpointError: an unreadable input (a PyTorch file with several state dicts and
         no ``key``); OutputError as :func:`fuse`.
@@ -928,14 +962,14 @@ def convert(ckpt, out, *, max_shard_size: int | None = None, force: bool = False
     started = time.monotonic()
     checkpoint = _checkpoint(ckpt, config, follow_symlinks, key, param_order)
     _check_drop(checkpoint, drop_optimizer)
-    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size)
+    _check_megatron(checkpoint, out, to, (tp, pp, ep), drop_optimizer, max_shard_size, ckpt_format)
     # a Trainer folder's optimizer.pt: no step moves it, so a folder output copies it as it is
     whole = _whole(checkpoint, out, to, drop_optimizer, max_shard_size) and \
         not isinstance(checkpoint.training, TrainerOptimizer)
     history = checkpoint.provenance.plan if checkpoint.provenance else Plan()
     if to == "megatron" and not whole:
-        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp, ep), force, on_note, history),
-                      started)
+        return _timed(_write_megatron(checkpoint, checkpoint.table.copy(), out, (tp, pp, ep), force, on_note, history,
+                                      ckpt_format), started)
     table = checkpoint.table.copy()  # no step: the optimizer is written as read
     if write_ties_once:
         table.store_once()

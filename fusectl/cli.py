@@ -256,11 +256,16 @@ to_option = click.option(
          "folder (dcp: dcp.load reads it on any number of ranks) or a DeepSpeed universal checkpoint "
          "(ds-universal: DeepSpeed resumes from it on any world size); or write the model (megatron-core's "
          "names) as a Megatron-LM legacy save at --tp x --pp (megatron: each rank's Adam state split like its "
-         "parameters, the scheduler kept).")
+         "parameters, the scheduler kept), or as a torch_dist save with --ckpt-format torch_dist.")
 tp_option = click.option("--tp", "tp", type=click.IntRange(min=1), default=None, metavar="N",
                          help="With --to megatron: the tensor-parallel size (default 1).")
 pp_option = click.option("--pp", "pp", type=click.IntRange(min=1), default=None, metavar="M",
                          help="With --to megatron: the pipeline-parallel size (default 1).")
+ckpt_format_option = click.option(
+    "--ckpt-format", "ckpt_format", type=click.Choice(["torch", "torch_dist"]), default=None,
+    help="With --to megatron: Megatron-LM's checkpoint format: torch (default: legacy rank files) or torch_dist "
+         "(dist_checkpointing's global tensors, which megatron-core loads at any TP and PP; the model only: "
+         "a training input needs --drop-optimizer).")
 ep_option = click.option("--ep", "ep", type=click.IntRange(min=1), default=None, metavar="E",
                          help="With --to megatron: the expert-parallel size of an MoE model (default 1); its experts "
                               "must divide over it.")
@@ -395,8 +400,10 @@ def with_output_options(fn):
 @tp_option
 @pp_option
 @ep_option
+@ckpt_format_option
 def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write_ties_once, config_path, as_json,
-             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp, ep):
+             param_order, param_order_out, param_order_from_model, untie_training, drop_optimizer, to, tp, pp, ep,
+             ckpt_format):
     """Apply RULES to CKPT and write the result with its provenance.
 
     \b
@@ -409,7 +416,8 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
                    write_ties_once=write_ties_once, config=config_path, **_inputs(),
                    progress=False if quiet else None, on_note=_note, param_order=param_order,
                    param_order_out=param_order_out, param_order_from_model=param_order_from_model,
-                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp, ep=ep), as_json)
+                   untie_training=untie_training, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp, ep=ep,
+                   ckpt_format=ckpt_format), as_json)
 
 
 @command(main, "unfuse")
@@ -428,8 +436,9 @@ def fuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, adopt, write
 @tp_option
 @pp_option
 @ep_option
+@ckpt_format_option
 def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties_once, config_path, as_json,
-               untie_training, drop_optimizer, param_order, to, tp, pp, ep):
+               untie_training, drop_optimizer, param_order, to, tp, pp, ep, ckpt_format):
     """Undo a fuse: invert CKPT's recorded provenance, or the given RULES in reverse order.
 
     \b
@@ -439,7 +448,8 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
     _emit(_api().unfuse(ckpt, out, rules, max_shard_size=max_shard_size, force=force, untie=untie,
                      write_ties_once=write_ties_once, config=config_path, **_inputs(),
                      progress=False if quiet else None, on_note=_note, untie_training=untie_training,
-                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp, ep=ep), as_json)
+                     drop_optimizer=drop_optimizer, param_order=param_order, to=to, tp=tp, pp=pp, ep=ep,
+                     ckpt_format=ckpt_format), as_json)
 
 
 @command(main, "convert")
@@ -455,8 +465,9 @@ def unfuse_cmd(ckpt, rules, out, max_shard_size, force, quiet, untie, write_ties
 @tp_option
 @pp_option
 @ep_option
+@ckpt_format_option
 def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config_path, as_json, param_order,
-                drop_optimizer, to, tp, pp, ep):
+                drop_optimizer, to, tp, pp, ep, ckpt_format):
     """Write CKPT in another format with no rules (.safetensors, .npz or a folder).
 
     Reads every format fusectl reads: a PyTorch file or pytorch_model*.bin folder (safely,
@@ -464,7 +475,8 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     ranges are copied without decoding; shared storages and ties are written once. A training
     dict written to a PyTorch file keeps its optimizer state and every other entry; with --to,
     a training checkpoint is written whole to a DCP or DeepSpeed universal folder, or
-    (--to megatron --tp N --pp M) a model in megatron-core's names as Megatron-LM rank files.
+    (--to megatron --tp N --pp M) a model in megatron-core's names as Megatron-LM rank files
+    (--ckpt-format torch_dist: as a dist_checkpointing save).
 
     \b
     Example:
@@ -472,7 +484,8 @@ def convert_cmd(ckpt, out, max_shard_size, force, quiet, write_ties_once, config
     """
     _emit(_api().convert(ckpt, out, max_shard_size=max_shard_size, force=force, write_ties_once=write_ties_once,
                       config=config_path, **_inputs(), progress=False if quiet else None, on_note=_note,
-                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp, ep=ep), as_json)
+                      param_order=param_order, drop_optimizer=drop_optimizer, to=to, tp=tp, pp=pp, ep=ep,
+                      ckpt_format=ckpt_format), as_json)
 
 
 @command(main, "map")

@@ -95,6 +95,7 @@ OPTIONS: dict[str, tuple[str, str, str]] = {
     "tp": ("--tp", _VALUE, "N"),
     "pp": ("--pp", _VALUE, "M"),
     "ep": ("--ep", _VALUE, "E"),
+    "ckpt_format": ("--ckpt-format", _VALUE, "FORMAT"),
     "out": ("-o", _VALUE, "OUT"),
     "graph": ("--graph", _VALUE, "GRAPH"),
     "provider": ("--provider", _VALUE, "PROVIDER"),

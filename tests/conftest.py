@@ -341,3 +341,22 @@ op = "concat"
 inputs = ["model.layers.{i:int}.self_attn.q_proj.weight", "model.layers.{i:int}.mlp.down_proj.weight"]
 output = "model.layers.{i:int}.nonsense.weight"
 """
+
+
+def megatron_rank(rank: int, world: int, port: int):
+    """Start one CPU rank of megatron-core (gloo, fixtures/generate_megatron.py's patches) in a
+    process that ``torch.multiprocessing`` spawned; returns that script's module (its variants,
+    ``build_model``, ``pipeline_forward``). Needs torch and megatron-core."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(FIXTURES))
+    import generate_megatron
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    generate_megatron.patch_for_cpu()
+    return generate_megatron

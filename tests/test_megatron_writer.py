@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ok, parse_safetensors, refused
+from conftest import FIXTURES, megatron_rank, ok, parse_safetensors, refused
 
 from fusectl.dtypes import from_numpy
 from fusectl.errors import PlanError
@@ -309,19 +309,13 @@ def load_and_forward(rank: int, world: int, name: str, folder: str, port: int) -
     """One rank: megatron-core's GPTModel at the variant's parallelism, ``load_state_dict(strict=True)``
     of the rank file fusectl wrote (read by ``torch.load(weights_only=True)``), its logits saved."""
     import argparse
-    import sys
 
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(FIXTURES))
-    import generate_megatron as g
+    g = megatron_rank(rank, world, port)
     from megatron.core import parallel_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    g.patch_for_cpu()
     spec = g.VARIANTS[name]
     parallel_state.initialize_model_parallel(spec["tp"], spec["pp"])
     model = g.build_model(spec, spec["tp"], spec["pp"], 1)

@@ -139,3 +139,20 @@ class Slice(LazyTensor):
         index[self.axis] = slice(self.start, self.start + self.spec.shape[self.axis])
         return np.ascontiguousarray(self.source.read()[tuple(index)])
 
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Reshaped(LazyTensor):
+    """``source``'s elements, in their C order, in the shape ``spec`` gives: a layer's tensor as
+    its block ``[1, …]`` of a stacked tensor. Its file ranges are the source's."""
+
+    spec: TensorSpec
+    source: LazyTensor
+
+    def read(self) -> np.ndarray:
+        """The source's array in this shape."""
+        return self.source.read().reshape(self.spec.shape)
+
+    def byte_ranges(self) -> tuple[ByteRange, ...] | None:
+        """The source's file ranges (None where it has none)."""
+        return self.source.byte_ranges()

@@ -27,6 +27,10 @@ under ``model``, the optimizer under ``optim`` in the form ``get_state_dict`` / 
 use (``state`` and each group's ``params`` keyed by parameter name): an optimizer keyed by ids
 (torch's ``state_dict()``, DeepSpeed's, with ``param_names`` or fusectl's record of the names) is
 converted; one keyed by name (read from a DCP folder) is written as read.
+
+:func:`write_items` writes the two files from flattened items alone, for a format built on DCP
+(Megatron's torch_dist, :mod:`.megatron_dist_writer`): a :class:`Chunked` tensor is written as
+its blocks, one chunk and one item each (a stacked tensor layer by layer).
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ import hashlib
 import json
 import os
 import uuid
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from ...errors import OutputError, printable, quote
-from ...tensors import LazyTensor
+from ...tensors import LazyTensor, TensorSpec
 from ..key_path import KeyPath, key_text, node_at
 from ..optimizer_state import parse_optimizer
 from ..sniff import DCP_METADATA
@@ -86,7 +91,38 @@ def write_dcp(folder: str, root: object, model_path: KeyPath, optimizer_path: Ke
     """
     where = where or printable(folder)
     items = flatten(dcp_tree(root, model_path, optimizer_path, metadata, where), where)
-    entries, planner, storage = {}, {}, {}
+    write_items(folder, [(fqn, value) for fqn, _, value in items], {fqn: path for fqn, path, _ in items},
+                checkpoint_id, where)
+    if metadata:
+        place = os.path.join(folder, METADATA_FILE)
+        try:
+            with open(place, "w", encoding="utf-8") as f:
+                json.dump(dict(metadata), f, separators=(",", ":"), ensure_ascii=False)
+        except OSError as e:
+            raise OutputError(f"{printable(place)}: cannot be written ({e.strerror})") from e
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """A global tensor of ``spec`` written as ``blocks`` (offsets, tensor of the block's shape)
+    that tile it, each block one DCP chunk — one item of the file, copied from the block's file
+    ranges where it has them, else read alone: a stacked tensor written layer by layer."""
+
+    spec: TensorSpec
+    blocks: tuple[tuple[tuple[int, ...], LazyTensor], ...]
+
+
+def write_items(folder: str, items: Sequence[tuple[str, object]], planner: Mapping[str, tuple] | None,
+                checkpoint_id: str | None, where: str) -> None:
+    """Write ``items`` (flattened key → a tensor, a :class:`Chunked` tensor, or any other value
+    torch can hold) as the DCP folder ``folder``'s ``__0_0.distcp`` and ``.metadata``, in order.
+
+    :param planner: ``planner_data`` (key → its key path; None: none, as Megatron's save leaves it).
+    :param checkpoint_id: the name ``storage_meta`` records (default: the folder's name).
+    :param where: the output, as messages name it.
+    :raises OutputError: naming the file that cannot be written, or the item torch cannot hold.
+    """
+    entries, storage = {}, {}
     place = os.path.join(folder, RANK_FILE)
     try:
         os.makedirs(folder, exist_ok=True)
@@ -94,14 +130,14 @@ def write_dcp(folder: str, root: object, model_path: KeyPath, optimizer_path: Ke
             writeback = Writeback(f.fileno())
             try:
                 offset = 0
-                for fqn, path, value in items:
-                    length = append_torch_archive(f.fileno(), writeback, value, f"{where}: {quote(fqn)}")
-                    entries[fqn], index = _storage_metadata(fqn, value)
-                    planner[fqn] = path
-                    storage[index] = _record("torch.distributed.checkpoint.filesystem._StorageInfo", {
-                        "relative_path": RANK_FILE, "offset": offset, "length": length,
-                        "transform_descriptors": None})
-                    offset += length
+                for fqn, value in items:
+                    entries[fqn], pieces = _storage_metadata(fqn, value)
+                    for index, piece in pieces:
+                        length = append_torch_archive(f.fileno(), writeback, piece, f"{where}: {quote(fqn)}")
+                        storage[index] = _record("torch.distributed.checkpoint.filesystem._StorageInfo", {
+                            "relative_path": RANK_FILE, "offset": offset, "length": length,
+                            "transform_descriptors": None})
+                        offset += length
             finally:
                 writeback.finish()
             os.fsync(f.fileno())
@@ -110,10 +146,6 @@ def write_dcp(folder: str, root: object, model_path: KeyPath, optimizer_path: Ke
         with open(place, "wb") as f:
             f.write(pickle_tree(_metadata(entries, planner, storage, name), where))
             os.fsync(f.fileno())
-        if metadata:
-            place = os.path.join(folder, METADATA_FILE)
-            with open(place, "w", encoding="utf-8") as f:
-                json.dump(dict(metadata), f, separators=(",", ":"), ensure_ascii=False)
     except OSError as e:
         raise OutputError(f"{printable(place)}: cannot be written ({e.strerror})") from e
 
@@ -236,25 +268,30 @@ def _size(shape: tuple[int, ...]):
 
 
 def _storage_metadata(fqn: str, value: object) -> tuple:
-    """(the item's entry of ``state_dict_metadata``, its ``MetadataIndex``): a tensor's whole
-    size, properties and one chunk, the whole tensor at offset 0; a value's bytes."""
-    if not isinstance(value, LazyTensor):
+    """(the item's entry of ``state_dict_metadata``, its items: each chunk's ``MetadataIndex``
+    and what is written for it): a tensor's whole size, properties and its chunks (one, the
+    whole tensor at offset 0, or a :class:`Chunked` tensor's blocks); a value's bytes."""
+    if not isinstance(value, (LazyTensor, Chunked)):
         index = _record(_META + "MetadataIndex", {"fqn": fqn, "offset": None, "index": None})
-        return _record(_META + "BytesStorageMetadata", {}), index
-    shape = value.spec.shape
+        return _record(_META + "BytesStorageMetadata", {}), [(index, value)]
+    spec = value.spec
+    blocks = value.blocks if isinstance(value, Chunked) else (((0,) * len(spec.shape), value),)
     properties = _record(_META + "TensorProperties", (
-        dtype_global(value.spec.dtype), _record("torch.serialization._get_layout", None, "torch.strided"), False,
+        dtype_global(spec.dtype), _record("torch.serialization._get_layout", None, "torch.strided"), False,
         _record(_META + "_MEM_FORMAT_ENCODING", None, 0), False))
-    chunk = _record(_META + "ChunkStorageMetadata", {"offsets": _size((0,) * len(shape)), "sizes": _size(shape)})
-    entry = _record(_META + "TensorStorageMetadata", {"properties": properties, "size": _size(shape),
-                                                      "chunks": [chunk]})
-    return entry, _record(_META + "MetadataIndex", {"fqn": fqn, "offset": _size((0,) * len(shape)), "index": 0})
+    chunks = [_record(_META + "ChunkStorageMetadata", {"offsets": _size(offsets), "sizes": _size(block.spec.shape)})
+              for offsets, block in blocks]
+    entry = _record(_META + "TensorStorageMetadata", {"properties": properties, "size": _size(spec.shape),
+                                                      "chunks": chunks})
+    return entry, [(_record(_META + "MetadataIndex", {"fqn": fqn, "offset": _size(offsets), "index": 0}), block)
+                   for offsets, block in blocks]
 
 
-def _metadata(entries: dict, planner: dict, storage: dict, name: str):
+def _metadata(entries: dict, planner: dict | None, storage: dict, name: str):
     """DCP's ``Metadata``; its ``save_id`` derived from what it holds (torch's is random), so the
     same input gives the same folder."""
-    digest = hashlib.sha256(repr([(k, planner[k]) for k in entries]).encode()).digest()[:16]
+    keys = [(k, planner[k]) if planner is not None else k for k in entries]
+    digest = hashlib.sha256(repr(keys).encode()).digest()[:16]
     storage_meta = _record(_META + "StorageMeta", {
         "checkpoint_id": _record("pathlib.PosixPath", None, name), "save_id": str(uuid.UUID(bytes=digest, version=4)),
         "load_id": None, "modules": []})

@@ -59,6 +59,7 @@ from typing import Callable
 from ...errors import CheckpointError, printable, quote
 from ...tensors import LazyTensor, RangesTensor, TensorSpec
 from ..contents import Contents
+from ..provenance import METADATA_KEY
 from ..sniff import MEGATRON_DIST_COMMON as COMMON, MEGATRON_DIST_METADATA as METADATA_JSON
 from ..untrusted import read_json_file
 from .chunks import Blocks, assemble, rows
@@ -77,7 +78,47 @@ _TE_NORMS = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
+_LOCAL_NORMS = {local: te for te, local in _TE_NORMS.items()}
+_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")  # a tensor of megatron-core's TP=1 model's layer
+_LOCAL_EXPERT = re.compile(r"(.*\.experts\.)local_experts\.([0-9]+)\.(.*)")
 _HOW = "give the folder Megatron-LM's dist_checkpointing.save wrote (or its iter_NNNNNNN folder) as it left it"
+
+
+def layer_name(key: str, layer: int, expert: int | None = None) -> str:
+    """The TP=1 model's name of layer ``layer``'s slice (and expert ``expert``'s, for stacked
+    experts) of the stacked tensor ``key``: the inverse of :func:`stacked_slot`.
+
+    >>> layer_name("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 1)
+    'decoder.layers.1.input_layernorm.weight'
+    >>> layer_name("decoder.layers.mlp.experts.experts.linear_fc2.weight", 0, 3)
+    'decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight'
+    """
+    if expert is not None:
+        place, rest = _EXPERTS.fullmatch(key).groups()
+        return f"decoder.layers.{layer}.{place}local_experts.{expert}.{rest}"
+    rest = _STACKED.fullmatch(key).group(1)
+    return f"decoder.layers.{layer}.{_TE_NORMS.get(rest, rest)}"
+
+
+def stacked_slot(name: str) -> tuple[str, tuple[int, ...]] | None:
+    """Where dist_checkpointing stores the TP=1 model's tensor ``name``: (the stacked key, its
+    index there: the layer, or the layer and the expert); None for a tensor stored as it is
+    (the embedding, the final norm, the output layer). The inverse of :func:`layer_name`.
+
+    >>> stacked_slot("decoder.layers.1.input_layernorm.weight")
+    ('decoder.layers.self_attention.linear_qkv.layer_norm_weight', (1,))
+    >>> stacked_slot("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight")
+    ('decoder.layers.mlp.experts.experts.linear_fc2.weight', (0, 3))
+    """
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    expert = _LOCAL_EXPERT.fullmatch(rest)
+    if expert is not None:
+        place, number, tail = expert.groups()
+        return f"decoder.layers.{place}experts.{tail}", (layer, int(number))
+    return f"decoder.layers.{_LOCAL_NORMS.get(rest, rest)}", (layer,)
 
 
 def read_megatron_dist(path: str, key: str | None = None,
@@ -89,8 +130,10 @@ def read_megatron_dist(path: str, key: str | None = None,
     :param key: unused (the registry row takes no key).
     :param check_link: called with each file before it is read (the input's link boundary).
     :returns: megatron-core's TP=1 model (module docstring) as ``tensors`` in its module order,
-        the byte items in ``ignored``, ``distributed`` tp, pp, ep, num_layers, iteration (from
-        ``common.pt``'s args) and world_size (the ranks whose files the folder holds).
+        the byte items in ``ignored``, fusectl's record where fusectl wrote the save (kept in
+        ``common.pt``'s archive, which ``torch.load`` does not read), ``distributed`` tp, pp,
+        ep, num_layers, iteration (from ``common.pt``'s args) and world_size (the ranks whose
+        files the folder holds).
     :raises CheckpointError: naming the file and what is wrong with it (module docstring).
 
     >>> read_megatron_dist("fixtures/megatron/gpt-tp2-torch_dist").distributed["num_layers"]  # doctest: +SKIP
@@ -100,14 +143,7 @@ def read_megatron_dist(path: str, key: str | None = None,
     folder, latest = iteration_folder(path, check)
     meta = os.path.join(folder, METADATA_JSON)
     _check_backend(meta, check)
-    common_path = os.path.join(folder, COMMON)
-    check(common_path)
-    if not os.path.lexists(common_path):
-        raise CheckpointError(f"{printable(common_path)}: missing; a torch_dist checkpoint keeps Megatron's args "
-                              f"there; {_HOW}")
-    common, _ = read_torch_tree(common_path, records=RECORDS)
-    if not isinstance(common, dict):
-        raise CheckpointError(f"{printable(common_path)}: holds no dict, not the common state Megatron-LM saves; {_HOW}")
+    common_path, common, record = _common(folder, check)
     par = Parallelism.of(common, common_path)
     dcp = DcpFolder(folder, check)
     stacked = [fqn for fqn in dcp.entries if dcp.is_tensor(fqn) and _STACKED.fullmatch(fqn)]
@@ -125,7 +161,32 @@ def read_megatron_dist(path: str, key: str | None = None,
     distributed = {"tp": par.tp, "pp": par.pp, "ep": par.ep, "num_layers": par.num_layers,
                    "iteration": iteration if type(iteration) is int else None, "world_size": len(dcp.ranks())}
     read = [*([latest] if latest else []), meta, common_path, *dcp.read_files()]
-    return Contents(tensors, read, ignored=ignored, distributed=distributed)
+    return Contents(tensors, read, record, record.get(METADATA_KEY), ignored=ignored, distributed=distributed)
+
+
+def saved_args(path: str, check_link: Callable[[str], None] | None = None) -> dict[str, object]:
+    """The fields of the ``args`` Namespace in the save's ``common.pt``: the sizes a writer of
+    the model needs (head counts, query groups, ``num_experts`` …).
+
+    :raises CheckpointError: as :func:`read_megatron_dist` for a folder without ``common.pt`` or args."""
+    check = check_link or _no_check
+    folder, _ = iteration_folder(path, check)
+    common_path, common, _ = _common(folder, check)
+    Parallelism.of(common, common_path)
+    return dict(common["args"].state)
+
+
+def _common(folder: str, check: Callable[[str], None]) -> tuple[str, dict, dict[str, str]]:
+    """(the path of ``common.pt``, its dict, fusectl's record in its archive: the provenance of a
+    save fusectl wrote, :mod:`.megatron_dist_writer`)."""
+    path = os.path.join(folder, COMMON)
+    check(path)
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{printable(path)}: missing; a torch_dist checkpoint keeps Megatron's args there; {_HOW}")
+    common, record = read_torch_tree(path, records=RECORDS)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{printable(path)}: holds no dict, not the common state Megatron-LM saves; {_HOW}")
+    return path, common, record
 
 
 def _check_backend(meta: str, check: Callable[[str], None]) -> None:
@@ -166,12 +227,9 @@ def _unstacked(dcp: DcpFolder, stacked: list[str], par: Parallelism, common: str
             if fqn in experts:
                 for expert in range(par.num_experts or 0):
                     for each in experts:
-                        place, rest = _EXPERTS.fullmatch(each).groups()
-                        name = f"decoder.layers.{layer}.{place}local_experts.{expert}.{rest}"
-                        out[name] = _slab(_slab(whole[each], layer, folder), expert, folder)
+                        out[layer_name(each, layer, expert)] = _slab(_slab(whole[each], layer, folder), expert, folder)
                 continue
-            rest = _STACKED.fullmatch(fqn).group(1)
-            out[f"decoder.layers.{layer}.{_TE_NORMS.get(rest, rest)}"] = _slab(tensor, layer, folder)
+            out[layer_name(fqn, layer)] = _slab(tensor, layer, folder)
     return out
 
 

@@ -247,8 +247,13 @@ def _module_rank(name: str) -> tuple[int, int, int]:
     return rank, expert, next((i for i, m in enumerate(_EXPERT_MODULES) if m in name), len(_EXPERT_MODULES))
 
 
-def _order(names: Sequence[str]) -> list[str]:
-    """``names`` in megatron-core's state-dict order (the input's order within a module)."""
+def module_order(names: Sequence[str]) -> list[str]:
+    """``names`` in megatron-core's state-dict order (the input's order within a module).
+
+    >>> module_order(["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight",
+    ...               "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"])[0]
+    'decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight'
+    """
     def key(item: tuple[int, str]) -> tuple:
         i, name = item
         layer = LAYERS.index(name)
@@ -306,7 +311,7 @@ def rank_models(tensors: Mapping[str, LazyTensor], sizes: GptSizes, tp: int, pp:
                 ) -> dict[Rank, collections.OrderedDict]:
     """Each rank → its ``model`` state dict (tensors, and None for each linear module's
     ``_extra_state``), in megatron-core's order; ranks stage by stage, EP rank by EP rank."""
-    names = _order(list(tensors))
+    names = module_order(list(tensors))
     if sizes.tied and _OUTPUT not in tensors:
         # at PP > 1 the last stage keeps its copy of the shared embedding; at PP = 1 only the
         # output layer's extra state is stored
@@ -598,8 +603,9 @@ def rank_optimizer(whole: WholeOptimizer, model: Mapping[str, LazyTensor | None]
 
 
 def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Mapping[str, object] | None,
-                  dtype: str, ep: int = 1) -> object:
-    """The ``argparse.Namespace`` record Megatron-LM pickles into each rank file: the given
+                  dtype: str, ep: int = 1, ckpt_format: str = "torch") -> object:
+    """The ``argparse.Namespace`` record Megatron-LM pickles into each rank file (``common.pt``
+    for ``ckpt_format`` torch_dist): the given
     config's plain values where it is Megatron's own ``args``, then the sizes and parallelism
     (an MoE's ``num_experts``, ``moe_ffn_hidden_size``, ``expert_model_parallel_size``; its
     ``moe_router_topk`` from Megatron's args or a Hugging Face config's ``num_experts_per_tok``;
@@ -627,7 +633,7 @@ def megatron_args(sizes: GptSizes, tp: int, pp: int, iteration: int, config: Map
         add_bias_linear=sizes.bias, untie_embeddings_and_output_weights=not sizes.tied,
         padded_vocab_size=sizes.vocab, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, num_experts=sizes.experts or None, fp16=dtype == "F16", bf16=dtype == "BF16",
-        ckpt_format="torch", use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp * ep,
+        ckpt_format=ckpt_format, use_distributed_optimizer=False, iteration=iteration, world_size=tp * pp * ep,
         data_parallel_size=ep)
     if sizes.experts:
         base.update(moe_ffn_hidden_size=sizes.ffn, moe_grouped_gemm=False)
@@ -677,7 +683,7 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
     dtype = tensors[_EMBEDDING].spec.dtype.safetensors
     models = rank_models(tensors, sizes, tp, pp, ep)
     args = megatron_args(sizes, tp, pp, iteration or 0, config, dtype, ep)
-    iteration_folder = os.path.join(folder, "release" if iteration is None else f"iter_{iteration:07d}")
+    iteration_folder = os.path.join(folder, iteration_name(iteration))
     written = copied = 0
     for rank, model in models.items():
         tree = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0, "model": model}
@@ -693,10 +699,21 @@ def write_megatron(folder: str, tensors: Mapping[str, LazyTensor], *, tp: int, p
         path = os.path.join(iteration_folder, rank.folder)
         os.makedirs(path, exist_ok=True)
         write_torch_file(os.path.join(path, RANK_FILE), tree, metadata=metadata)
+    write_tracker(folder, iteration, config_text)
+    return len(models), written, copied
+
+
+def iteration_name(iteration: int | None) -> str:
+    """The iteration folder Megatron-LM saves ``iteration`` in (None: ``release``)."""
+    return "release" if iteration is None else f"iter_{iteration:07d}"
+
+
+def write_tracker(folder: str, iteration: int | None, config_text: bytes | None) -> None:
+    """``latest_checkpointed_iteration.txt`` (the iteration, or ``release``) in the save folder,
+    and ``config_text`` beside it as config.json, where Megatron-LM does not look."""
     with open(os.path.join(folder, MEGATRON_LATEST), "w", encoding="ascii") as f:
         f.write("release" if iteration is None else str(iteration))
     if config_text is not None:
         with open(os.path.join(folder, "config.json"), "wb") as f:
             f.write(config_text)
-    return len(models), written, copied
 
