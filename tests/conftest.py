@@ -360,3 +360,19 @@ def megatron_rank(rank: int, world: int, port: int):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     generate_megatron.patch_for_cpu()
     return generate_megatron
+
+
+def assert_megatron_logits(script: str, variant: str, out: Path, world: int) -> None:
+    """Run ``script`` (a test file whose ``__main__`` spawns ``world`` megatron-core ranks that
+    load the save ``out`` and write their logits to ``out/logits.npy``) and assert those logits
+    equal megatron-core's recorded ones for ``variant`` (fixtures/megatron/reference) within 1e-5."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, script, variant, str(out), str(world)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logits = np.load(out / "logits.npy")
+    reference = np.load(FIXTURES / "megatron" / "reference" / f"{variant}.npz")["logits"]
+    assert logits.shape == reference.shape
+    assert np.abs(logits - reference).max() <= 1e-5

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ok, refused, with_provenance
+from conftest import FIXTURES, assert_megatron_logits, megatron_rank, ok, refused, with_provenance
 
 from fusectl.errors import PlanError
 from fusectl.io.formats import megatron_writer
@@ -204,15 +204,9 @@ def load_and_forward(rank: int, world: int, variant: str, folder: str, port: int
 
     import torch
     import torch.distributed as dist
-
-    sys.path.insert(0, str(FIXTURES))
-    import generate_megatron as g
     from megatron.core import parallel_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    g.patch_for_cpu()
+    g = megatron_rank(rank, world, port)
     spec, ep = g.VARIANTS[variant], world
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     model = g.build_model(spec, 1, 1, ep)
@@ -236,18 +230,11 @@ def test_megatron_core_loads_the_reshard_and_computes_its_own_logits(cli, tmp_pa
     loads every rank strictly and its forward gives the logits megatron computed before saving (1e-5)."""
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    import subprocess
 
     out = tmp_path / "out"
     ok(cli("convert", MEGATRON / f"{variant}-legacy", "--to", "megatron", "--ep", str(ep), "--drop-optimizer",
            "-o", out))
-    run = subprocess.run([sys.executable, __file__, variant, str(out), str(ep)], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    logits = np.load(out / "logits.npy")
-    reference = np.load(MEGATRON / "reference" / f"{variant}.npz")["logits"]
-    assert logits.shape == reference.shape
-    assert np.abs(logits - reference).max() <= 1e-5
+    assert_megatron_logits(__file__, variant, out, ep)
 
 
 if __name__ == "__main__":  # the ranks of the test above, spawned by torch.multiprocessing

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, megatron_rank, ok, parse_safetensors, refused
+from conftest import FIXTURES, assert_megatron_logits, megatron_rank, ok, parse_safetensors, refused
 
 from fusectl.dtypes import from_numpy
 from fusectl.errors import PlanError
@@ -339,21 +339,13 @@ def test_megatron_core_loads_the_written_ranks_and_computes_its_own_logits(cli, 
     every rank strictly and its forward gives the logits it computed before saving (within 1e-5)."""
     pytest.importorskip("torch")
     pytest.importorskip("megatron.core")
-    import subprocess
-    import sys
 
     spec = {"gpt-tp2": (2, 1), "gpt-tp2-pp2": (2, 2), "tied-tp2": (2, 1)}[variant]
     out = tmp_path / "out"
     config = MEGATRON / "hf-config" / MEGATRON_CORE_VARIANTS[variant] / "config.json"
     ok(cli("convert", MEGATRON / "reference" / f"{variant}-full.safetensors", "--config", config, "--to", "megatron",
            "--tp", str(spec[0]), "--pp", str(spec[1]), "-o", out))
-    run = subprocess.run([sys.executable, __file__, variant, str(out), str(spec[0] * spec[1])],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    logits = np.load(out / "logits.npy")
-    reference = np.load(MEGATRON / "reference" / f"{variant}.npz")["logits"]
-    assert logits.shape == reference.shape
-    assert np.abs(logits - reference).max() <= 1e-5
+    assert_megatron_logits(__file__, variant, out, spec[0] * spec[1])
 
 
 if __name__ == "__main__":  # the ranks of the test above, spawned by torch.multiprocessing
