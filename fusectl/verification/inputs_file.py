@@ -132,8 +132,14 @@ def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
     >>> np.load(io.BytesIO(npz_bytes({"x": np.zeros(2, np.float32)}))).files
     ['x']
     """
+    members = {name: np.asarray(array) for name, array in arrays.items()}
+    # numpy before 2.0 has no savez(allow_pickle=...) (it would be saved as an array of that
+    # name): an object array is the only one savez pickles, so none gets that far
+    pickled = [name for name, array in members.items() if array.dtype.hasobject]
+    if pickled:
+        raise ValueError(f"npz_bytes: {pickled} hold Python objects, which an .npz would pickle")
     buffer = io.BytesIO()
-    np.savez(buffer, allow_pickle=False, **{name: np.asarray(array) for name, array in arrays.items()})
+    np.savez(buffer, **members)
     return buffer.getvalue()
 
 

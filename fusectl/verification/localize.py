@@ -298,7 +298,9 @@ class _Segments:
         del proto, cut
         sess = session(data, self.provider, self.what, shared, external_folder=self.folder)
         del data
-        return run(sess, feeds, self.what)
+        # only the inputs the segment reads: onnxruntime 1.18 (the floor) refuses a name its graph lacks
+        wanted = {i.name for i in sess.get_inputs()}
+        return run(sess, {name: value for name, value in feeds.items() if name in wanted}, self.what)
 
 
 def _rules(model) -> tuple[dict[str, str], str]:
