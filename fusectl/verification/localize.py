@@ -298,7 +298,7 @@ class _Segments:
         del proto, cut
         sess = session(data, self.provider, self.what, shared, external_folder=self.folder)
         del data
-        # only the inputs the segment reads: onnxruntime 1.18 (the floor) refuses a name its graph lacks
+        # only the inputs the segment reads: onnxruntime refuses a name its graph lacks (an io.npz holds outputs)
         wanted = {i.name for i in sess.get_inputs()}
         return run(sess, {name: value for name, value in feeds.items() if name in wanted}, self.what)
 
