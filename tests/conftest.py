@@ -376,3 +376,24 @@ def assert_megatron_logits(script: str, variant: str, out: Path, world: int) -> 
     reference = np.load(FIXTURES / "megatron" / "reference" / f"{variant}.npz")["logits"]
     assert logits.shape == reference.shape
     assert np.abs(logits - reference).max() <= 1e-5
+
+
+def megatron_forward_of(g, model, rank_file: str, folder: str, first: bool) -> None:
+    """One megatron-core rank: ``load_state_dict(strict=True)`` of the ``model`` of ``rank_file``
+    (a ``model_optim_rng.pt``, read by ``torch.load(weights_only=True)``), its forward on
+    ``g.reference_ids()``; the ``first`` rank saves the logits to ``folder/logits.npy``; then the
+    process group ends. ``g``: fixtures/generate_megatron.py, as :func:`megatron_rank` returns it."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    model.load_state_dict(torch.load(rank_file, weights_only=True)["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        logits, _ = g.pipeline_forward(model, g.reference_ids(), grad=False)
+    if logits is not None and first:
+        np.save(os.path.join(folder, "logits.npy"), logits.numpy())
+    dist.barrier()
+    dist.destroy_process_group()

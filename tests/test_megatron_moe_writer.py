@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, assert_megatron_logits, megatron_rank, ok, refused, with_provenance
+from conftest import FIXTURES, assert_megatron_logits, megatron_forward_of, megatron_rank, ok, refused, with_provenance
 
 from fusectl.errors import PlanError
 from fusectl.io.formats import megatron_writer
@@ -200,10 +200,6 @@ def test_the_ledger_proves_every_expert_is_written(monkeypatch):
 def load_and_forward(rank: int, world: int, variant: str, folder: str, port: int) -> None:
     """One rank: megatron-core's GPTModel of ``variant`` at TP=1 × EP=``world``,
     ``load_state_dict(strict=True)`` of the rank file fusectl wrote, its logits saved."""
-    import argparse
-
-    import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     g = megatron_rank(rank, world, port)
@@ -212,16 +208,8 @@ def load_and_forward(rank: int, world: int, variant: str, folder: str, port: int
     model = g.build_model(spec, 1, 1, ep)
     name = "mp_rank_00" + (f"_{parallel_state.get_expert_model_parallel_rank():03d}" if ep > 1 else "")
     latest = open(os.path.join(folder, "latest_checkpointed_iteration.txt")).read().strip()
-    torch.serialization.add_safe_globals([argparse.Namespace])
-    state = torch.load(os.path.join(folder, f"iter_{int(latest):07d}", name, "model_optim_rng.pt"), weights_only=True)
-    model.load_state_dict(state["model"], strict=True)
-    model.eval()
-    with torch.no_grad():
-        logits, _ = g.pipeline_forward(model, g.reference_ids(), grad=False)
-    if logits is not None and rank == 0:
-        np.save(os.path.join(folder, "logits.npy"), logits.numpy())
-    dist.barrier()
-    dist.destroy_process_group()
+    megatron_forward_of(g, model, os.path.join(folder, f"iter_{int(latest):07d}", name, "model_optim_rng.pt"),
+                        folder, rank == 0)
 
 
 @pytest.mark.parametrize("variant, ep", [("moe-ep2", 1), ("moe-tp2", 2)])

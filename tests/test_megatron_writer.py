@@ -17,7 +17,8 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, assert_megatron_logits, megatron_rank, ok, parse_safetensors, refused
+from conftest import (FIXTURES, assert_megatron_logits, megatron_forward_of, megatron_rank, ok, parse_safetensors,
+                      refused)
 
 from fusectl.dtypes import from_numpy
 from fusectl.errors import PlanError
@@ -308,11 +309,6 @@ MEGATRON_CORE_VARIANTS = {"gpt-tp2": "llama", "gpt-tp2-pp2": "llama", "tied-tp2"
 def load_and_forward(rank: int, world: int, name: str, folder: str, port: int) -> None:
     """One rank: megatron-core's GPTModel at the variant's parallelism, ``load_state_dict(strict=True)``
     of the rank file fusectl wrote (read by ``torch.load(weights_only=True)``), its logits saved."""
-    import argparse
-
-    import torch
-    import torch.distributed as dist
-
     g = megatron_rank(rank, world, port)
     from megatron.core import parallel_state
 
@@ -321,16 +317,8 @@ def load_and_forward(rank: int, world: int, name: str, folder: str, port: int) -
     model = g.build_model(spec, spec["tp"], spec["pp"], 1)
     tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     rank_name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if spec["pp"] > 1 else "")
-    torch.serialization.add_safe_globals([argparse.Namespace])
-    state = torch.load(os.path.join(folder, "release", rank_name, "model_optim_rng.pt"), weights_only=True)
-    model.load_state_dict(state["model"], strict=True)
-    model.eval()
-    with torch.no_grad():
-        logits, _ = g.pipeline_forward(model, g.reference_ids(), grad=False)
-    if logits is not None and tp_rank == 0:
-        np.save(os.path.join(folder, "logits.npy"), logits.numpy())
-    dist.barrier()
-    dist.destroy_process_group()
+    megatron_forward_of(g, model, os.path.join(folder, "release", rank_name, "model_optim_rng.pt"), folder,
+                        tp_rank == 0)
 
 
 @pytest.mark.parametrize("variant", sorted(MEGATRON_CORE_VARIANTS))
